@@ -1,0 +1,122 @@
+"""Devices and meshes: fake CPU devices, named mesh axes, multi-host start-up.
+
+One axis name per parallelism, used everywhere (specs, docs, CLI):
+
+    DP  data parallel        PP  pipeline stages      CP  context (sequence) parallel
+    EP  expert parallel      TP  tensor parallel (sequence parallelism runs on TP too)
+
+`make_mesh` lays the axes out in the order dp, pp, cp, ep, tp, so tp is innermost:
+tensor-parallel peers are neighbouring devices (one NVLink island on a GPU node), as
+Megatron and Llama 3 order them. Axes are *Auto*-typed (jax.make_mesh now defaults to
+Explicit), so `shard_map` and `jit` accept unsharded inputs and reshard them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+DP, PP, CP, EP, TP = "dp", "pp", "cp", "ep", "tp"
+AXIS_ORDER: tuple[str, ...] = (DP, PP, CP, EP, TP)
+
+_XLA_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+def _backends_started() -> bool:
+    # jax keeps initialised backends in xla_bridge._backends; empty until the first
+    # jax.devices()/computation. This is the only reliable signal that a device count
+    # can still be changed.
+    from jax._src import xla_bridge
+
+    return bool(getattr(xla_bridge, "_backends", {}))
+
+
+def use_cpu_devices(n: int) -> int:
+    """Ask for `n` fake CPU devices. Must run before JAX starts its backends.
+
+    A count already set through XLA_FLAGS (--xla_force_host_platform_device_count=K)
+    is respected: it wins over `n`, and K is returned. Calling this after JAX has
+    started raises a RuntimeError that says how to fix it, unless the running CPU
+    backend already has the count asked for.
+
+    Only the CPU backend is affected: on a GPU/TPU machine `jax.devices()` still
+    returns the accelerators.
+    """
+    if n < 1:
+        raise ValueError(f"use_cpu_devices(n={n}): n must be >= 1")
+    flags = _XLA_COUNT.search(os.environ.get("XLA_FLAGS", ""))
+    wanted = int(flags.group(1)) if flags else n
+    if _backends_started():
+        have = len(jax.devices("cpu"))
+        if have == wanted:
+            return have
+        raise RuntimeError(
+            f"use_cpu_devices({n}) was called after JAX started its backends with {have} CPU "
+            f"device(s); the count can no longer change. Fix: call jaxpar.mesh.use_cpu_devices({n}) "
+            "before anything touches jax.devices() or runs a computation (first thing in your "
+            f"script), or set XLA_FLAGS=--xla_force_host_platform_device_count={n} before Python starts."
+        )
+    if not flags:
+        jax.config.update("jax_num_cpu_devices", n)
+    return wanted
+
+
+def make_mesh(*, devices: Sequence[jax.Device] | None = None, **sizes: int) -> Mesh:
+    """A mesh with the named axes, in the order dp, pp, cp, ep, tp (tp innermost).
+
+    make_mesh(dp=2, tp=4) -> Mesh(('dp', 'tp'), shape (2, 4)) over all devices.
+    Axes not named are left out (size 1 axes are kept if named). The product of the
+    sizes must equal the number of devices (all of jax.devices(), or `devices`).
+    """
+    unknown = [a for a in sizes if a not in AXIS_ORDER]
+    if unknown:
+        raise ValueError(f"unknown mesh axis {unknown}; known axes are {', '.join(AXIS_ORDER)}")
+    for name, size in sizes.items():
+        if not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"mesh axis {name}={size!r} must be a positive integer")
+    if not sizes:
+        raise ValueError("make_mesh needs at least one axis, e.g. make_mesh(dp=8)")
+    devices = list(jax.devices() if devices is None else devices)
+    names = tuple(a for a in AXIS_ORDER if a in sizes)
+    shape = tuple(int(sizes[a]) for a in names)
+    total = math.prod(shape)
+    if total != len(devices):
+        desc = " x ".join(f"{a}={s}" for a, s in zip(names, shape))
+        raise ValueError(
+            f"mesh {desc} needs {total} devices but {len(devices)} are available; "
+            f"choose sizes whose product is {len(devices)}, pass devices= with {total} devices, "
+            f"or start with {total} fake CPU devices (jaxpar.mesh.use_cpu_devices({total}) before JAX "
+            f"starts, or XLA_FLAGS=--xla_force_host_platform_device_count={total})"
+        )
+    # jax.make_mesh orders devices for the physical topology (ICI/NVLink) when it can.
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)
+
+
+def describe(mesh: Mesh) -> str:
+    """'dp=2 tp=4' for a mesh."""
+    return " ".join(f"{a}={s}" for a, s in mesh.shape.items())
+
+
+def init_distributed(
+    coordinator: str,
+    *,
+    num_processes: int,
+    process_id: int,
+    local_device_count: int | None = None,
+) -> None:
+    """Join a multi-process JAX job (jax.distributed.initialize).
+
+    On CPU, collectives across processes go through gloo; `local_device_count` fake
+    CPU devices per process (set before the backend starts). On GPU/TPU the same call
+    joins the accelerators of every process; `local_device_count` is then ignored.
+    """
+    if local_device_count is not None:
+        use_cpu_devices(local_device_count)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)

@@ -1,0 +1,266 @@
+"""Collective accounting: what a compiled program really sends, read from its HLO.
+
+`collective_stats(fn, *args)` compiles `fn` (jit if it is not already), walks the
+optimised HLO module and, for each collective kind, returns how many times it runs
+and how many bytes it moves per execution of the program:
+
+    {"all-reduce": {"count": 2, "bytes": 65536}, "all-gather": {...}, ...}
+
+Counting rules (tests pin each one):
+  * an op in a while loop body counts once per iteration (XLA's known_trip_count;
+    `lax.scan` and `fori_loop` with static bounds always have one);
+  * an op in a conditional (lax.switch / lax.cond) counts with the branch that
+    moves the most bytes — an upper bound, since the branch is chosen at run time;
+  * async pairs (`all-gather-start` / `-done`) count once; combined (tuple) collectives
+    count once with the bytes of all their operands.
+
+Bytes are the *logical* size of the collective, the same on every device, so that the
+lecture's formulas read directly:
+    all-reduce          size of the array reduced          (TP: B*T*D per all-reduce)
+    all-gather          size of the gathered (full) array  (SP: B*T*D, as the all-reduce)
+    reduce-scatter      size of the array before scatter   (SP: B*T*D)
+    all-to-all          size of the array exchanged        (EP: tokens*k*D)
+    collective-permute  size of the array each device sends (ring/pipeline: one block)
+`wire_bytes` adds what one device sends on a ring: all-reduce 2(n-1)/n, all-gather and
+reduce-scatter and all-to-all (n-1)/n of the bytes, collective-permute all of it (n is
+the group size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+
+import jax
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS",
+         "collective-permute": "CP", "all-to-all": "A2A"}
+
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
+    "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1, "f8e4m3b11fnuz": 1,
+}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->\s*.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
+_CALLS = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_GROUPS_LIST = re.compile(r"replica_groups=\{(\{[0-9,]*\})")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_PARTITIONS = re.compile(r"num_partitions=(\d+)")
+
+
+def _type_bytes(type_str: str) -> float:
+    total = 0.0
+    for dtype, dims in _ARRAY.findall(type_str):
+        if dtype in _DTYPE_BYTES:
+            total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveOp:
+    """One collective instruction of the compiled program."""
+
+    kind: str            # one of KINDS
+    name: str            # HLO instruction name
+    computation: str     # the HLO computation holding it
+    bytes: float         # logical bytes (see module docstring), per execution of the op
+    group_size: int      # devices taking part in each group (2 for a permute pair)
+    executions: int      # times it runs per execution of the program
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one device sends for one execution, on a ring."""
+        n = self.group_size
+        if self.kind == "collective-permute":
+            return self.bytes
+        factor = 2 * (n - 1) / n if self.kind == "all-reduce" else (n - 1) / n
+        return self.bytes * factor
+
+
+@dataclasses.dataclass
+class _Instr:
+    name: str
+    type_str: str
+    opcode: str
+    rest: str
+
+
+def _parse(hlo: str) -> tuple[dict[str, list[_Instr]], dict[str, dict[str, str]], str]:
+    comps: dict[str, list[_Instr]] = {}
+    types: dict[str, dict[str, str]] = {}
+    entry, current = None, None
+    for line in hlo.splitlines():
+        header = _HEADER.match(line)
+        if header and not line.startswith(" "):
+            current = header.group(1)
+            comps[current], types[current] = [], {}
+            if line.startswith("ENTRY"):
+                entry = current
+            continue
+        if current is None:
+            continue
+        m = _INSTR.match(line)
+        if m:
+            name, type_str, opcode, rest = m.groups()
+            comps[current].append(_Instr(name, type_str, opcode, rest))
+            types[current][name] = type_str
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return comps, types, entry
+
+
+def _group_size(rest: str, partitions: int) -> int:
+    m = _GROUPS_IOTA.search(rest)
+    if m:
+        return int(m.group(2))
+    m = _GROUPS_LIST.search(rest)
+    if m and m.group(1) != "{}":
+        return len(m.group(1).strip("{}").split(","))
+    return partitions
+
+
+def _operand_bytes(instr: _Instr, types: dict[str, str]) -> float:
+    # Operands are printed as "%name" (with types in some dialects): sum their sizes.
+    args = instr.rest.split("),", 1)[0] if ")," in instr.rest else instr.rest.rsplit(")", 1)[0]
+    inline = _type_bytes(args)
+    if inline:
+        return inline
+    return sum(_type_bytes(types.get(n, "")) for n in re.findall(r"%([\w.\-]+)", args))
+
+
+def collective_ops_from_hlo(hlo: str) -> list[CollectiveOp]:
+    """Every collective of an optimised HLO module, with how often it runs."""
+    comps, types, entry = _parse(hlo)
+    m = _PARTITIONS.search(hlo)
+    partitions = int(m.group(1)) if m else 1
+    found: list[CollectiveOp] = []
+
+    def walk(comp: str, executions: int) -> list[CollectiveOp]:
+        ops: list[CollectiveOp] = []
+        for instr in comps.get(comp, []):
+            kind = instr.opcode.removesuffix("-start")
+            if kind in KINDS:
+                operand = _operand_bytes(instr, types[comp])
+                n = 2 if kind == "collective-permute" else _group_size(instr.rest, partitions)
+                logical = operand * n if kind == "all-gather" else operand
+                ops.append(CollectiveOp(kind, instr.name, comp, logical, n, executions))
+            if instr.opcode == "while":
+                callees = dict(_CALLS.findall(instr.rest))
+                trip = _TRIP.search(instr.rest)
+                body_ops = walk(callees["body"], 1)
+                if body_ops and not trip:
+                    raise ValueError(
+                        f"while loop {instr.name} holds collectives but has no known trip count; "
+                        "use lax.scan or fori_loop with static bounds so they can be counted")
+                count = int(trip.group(1)) if trip else 1
+                ops += [dataclasses.replace(o, executions=o.executions * count * executions) for o in body_ops]
+                continue
+            if instr.opcode == "conditional":
+                branches = _BRANCHES.search(instr.rest)
+                names = ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches
+                         else [c for k, c in _CALLS.findall(instr.rest) if k.endswith("_computation")])
+                per_branch = [walk(b, executions) for b in names]
+                ops += max(per_branch, key=lambda os_: sum(o.bytes * o.executions for o in os_), default=[])
+                continue
+            for key, callee in _CALLS.findall(instr.rest):
+                if key in ("calls", "to_apply") and callee in comps:
+                    ops += walk(callee, executions)
+        return ops
+
+    found = walk(entry, 1)
+    return found
+
+
+def compiled_text(fn: Callable, *args, **kwargs) -> str:
+    """Optimised HLO text of fn(*args) (jit-compiled if fn is not already jitted)."""
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    return jitted.lower(*args, **kwargs).compile().as_text()
+
+
+def collective_ops(fn: Callable, *args, **kwargs) -> list[CollectiveOp]:
+    """The collectives of fn's compiled program, one entry per HLO instruction."""
+    return collective_ops_from_hlo(compiled_text(fn, *args, **kwargs))
+
+
+def summarize(ops: list[CollectiveOp]) -> dict[str, dict[str, float]]:
+    """{kind: {"count", "bytes", "wire_bytes"}} for every kind in KINDS (zeros included)."""
+    stats = {k: {"count": 0, "bytes": 0, "wire_bytes": 0.0} for k in KINDS}
+    for op in ops:
+        s = stats[op.kind]
+        s["count"] += op.executions
+        s["bytes"] += op.bytes * op.executions
+        s["wire_bytes"] += op.wire_bytes * op.executions
+    for s in stats.values():
+        s["bytes"] = int(s["bytes"]) if float(s["bytes"]).is_integer() else s["bytes"]
+    return stats
+
+
+def collective_stats(fn: Callable, *args, **kwargs) -> dict[str, dict[str, float]]:
+    """Count and bytes per execution of each collective kind in fn's compiled program."""
+    return summarize(collective_ops(fn, *args, **kwargs))
+
+
+def nonzero(stats: dict[str, dict[str, float]]) -> dict[str, tuple[int, int]]:
+    """{kind: (count, bytes)} for the kinds that occur — handy to compare with a formula."""
+    return {k: (int(v["count"]), int(v["bytes"])) for k, v in stats.items() if v["count"]}
+
+
+def format_stats(stats: dict[str, dict[str, float]]) -> str:
+    """'2 AR 64.0 KiB + 4 CP 8.0 KiB' (or '-' when nothing is communicated)."""
+    parts = [f"{int(v['count'])} {SHORT[k]} {human_bytes(v['bytes'])}" for k, v in stats.items() if v["count"]]
+    return " + ".join(parts) or "-"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def tour_check():
+    """collective_stats on a hand-built program whose collectives are known in advance:
+    a ring of psum + ppermute in a scan of 5 steps, then all_gather, psum_scatter, all_to_all."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar import mesh as mesh_lib
+    from jaxpar.tour import Row
+
+    n = len(jax.devices())
+    m = mesh_lib.make_mesh(dp=n)
+    steps, rows_per_dev, cols = 5, 8, 16
+
+    def body(x):  # x: f32[8, 16] per device
+        def step(c, _):
+            c = jax.lax.ppermute(c, "dp", [(i, (i + 1) % n) for i in range(n)])
+            return c + jax.lax.psum(c, "dp"), None
+        c, _ = jax.lax.scan(step, x, None, length=steps)
+        g = jax.lax.all_gather(c, "dp", tiled=True)            # f32[8n, 16]
+        r = jax.lax.psum_scatter(g, "dp", tiled=True)          # f32[8, 16]
+        return jax.lax.all_to_all(r, "dp", 0, 0, tiled=True) if rows_per_dev % n == 0 else r
+
+    f = jax.jit(jax.shard_map(body, mesh=m, in_specs=P("dp"), out_specs=P("dp")))
+    x = jnp.ones((rows_per_dev * n, cols), jnp.float32)
+    got = nonzero(collective_stats(f, x))
+    block = rows_per_dev * cols * 4
+    want = {"collective-permute": (steps, steps * block), "all-reduce": (steps, steps * block)}
+    if n > 1:
+        want |= {"all-gather": (1, block * n), "reduce-scatter": (1, block * n)}
+        if rows_per_dev % n == 0:
+            want["all-to-all"] = (1, block)
+    if n == 1:  # XLA removes collectives over a single device
+        want = {}
+    err = float(sum(abs(got.get(k, (0, 0))[1] - v[1]) + abs(got.get(k, (0, 0))[0] - v[0]) for k, v in want.items()))
+    ok = got == want
+    return Row(technique="comms: hand-built program (scan x5)", mesh=mesh_lib.describe(m), max_error=err,
+               collectives=format_stats(collective_stats(f, x)) + (" = formula" if ok else " != formula"),
+               seconds=0.0, ok=ok)

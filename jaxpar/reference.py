@@ -1,0 +1,224 @@
+"""The unsharded model every parallel version is tested against.
+
+Plain, obviously-correct jnp: einsum attention with an explicit mask, GeLU and SwiGLU
+MLPs, a top-k MoE computed densely over all experts, pre-norm blocks, next-token loss.
+No sharding, no collectives, no cleverness: if a parallel version disagrees with this
+file, the parallel version is wrong.
+
+Dimension letters (STYLE.md): B batch, T sequence (queries), S sequence (keys),
+D model, F feed-forward, N heads, K kv-heads, H head dim, E experts, V vocab, L layers.
+
+Parameters are a plain pytree:
+    embed f32[V, D]; final_norm f32[D]; unembed f32[D, V]
+    blocks: dict of per-layer arrays stacked on a leading L axis:
+        attn_norm [L, D]; wq [L, D, N, H]; wk, wv [L, D, K, H]; wo [L, N, H, D]
+        mlp_norm [L, D]
+        dense MLP:  w_up [L, D, F]; w_gate [L, D, F] (SwiGLU only); w_down [L, F, D]
+        MoE:        router [L, D, E]; w_up [L, E, D, F]; w_gate [L, E, D, F] (SwiGLU only);
+                    w_down [L, E, F, D]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A decoder-only transformer. Defaults are small enough for fake CPU devices and
+    divisible by every mesh size up to 8, so one config serves all the tests."""
+
+    vocab: int = 64          # V: divisible by tp up to 8 for the vocab-parallel embedding
+    d_model: int = 32        # D
+    n_heads: int = 8         # N: tp up to 8 splits heads
+    n_kv_heads: int = 8      # K: < n_heads gives grouped-query attention
+    head_dim: int = 4        # H
+    d_ff: int = 64           # F
+    n_layers: int = 2        # L
+    mlp: Literal["gelu", "swiglu"] = "gelu"   # the lecture's Z = GeLU(XA)B, or Llama's SwiGLU
+    n_experts: int = 0       # E: 0 = dense MLP; > 0 = MoE in every block
+    top_k: int = 2           # experts per token (MoE only)
+    moe_renormalize: bool = True   # top-k gate weights renormalised to sum to 1 (Mixtral)
+    causal: bool = True
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
+                "(each KV head serves n_heads/n_kv_heads query heads)"
+            )
+        if self.mlp not in ("gelu", "swiglu"):
+            raise ValueError(f"mlp={self.mlp!r}: use 'gelu' or 'swiglu'")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
+
+
+def init_params(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32) -> dict:
+    """Random parameters: weights ~ N(0, 1/fan_in), norm gains 1."""
+    D, F, N, K, H, L, V, E = (cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads,
+                              cfg.head_dim, cfg.n_layers, cfg.vocab, cfg.n_experts)
+    keys = iter(jax.random.split(key, 16))
+
+    def normal(shape, fan_in):
+        return (jax.random.normal(next(keys), shape, jnp.float32) / jnp.sqrt(fan_in)).astype(dtype)
+
+    blocks = {
+        "attn_norm": jnp.ones((L, D), dtype),
+        "wq": normal((L, D, N, H), D),
+        "wk": normal((L, D, K, H), D),
+        "wv": normal((L, D, K, H), D),
+        "wo": normal((L, N, H, D), N * H),
+        "mlp_norm": jnp.ones((L, D), dtype),
+    }
+    expert = (E,) if E else ()
+    blocks["w_up"] = normal((L, *expert, D, F), D)
+    if cfg.mlp == "swiglu":
+        blocks["w_gate"] = normal((L, *expert, D, F), D)
+    blocks["w_down"] = normal((L, *expert, F, D), F)
+    if E:
+        blocks["router"] = normal((L, D, E), D)
+    return {
+        "embed": normal((V, D), 1.0),
+        "blocks": blocks,
+        "final_norm": jnp.ones((D,), dtype),
+        "unembed": normal((D, V), D),
+    }
+
+
+def layer_params(params: dict, i: int) -> dict:
+    """The block parameters of layer i (one slice of the stacked `blocks`)."""
+    return jax.tree.map(lambda a: a[i], params["blocks"])
+
+
+def rms_norm(x, gain, eps: float = 1e-6):
+    """x / sqrt(mean(x^2) + eps) * gain, over the last axis."""
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * gain
+
+
+def attention(q, k, v, *, causal: bool = True):
+    """Softmax attention. q: [B, T, N, H]; k, v: [B, S, K, H] with N a multiple of K
+    (grouped-query attention: query head n reads KV head n // (N/K)). Returns [B, T, N, H].
+
+    With causal=True, query t sees keys s <= t + (S - T) (queries are the last T positions).
+    """
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    if N % K:
+        raise ValueError(f"query heads N={N} must be a multiple of KV heads K={K}")
+    k = jnp.repeat(k, N // K, axis=2)
+    v = jnp.repeat(v, N // K, axis=2)
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(jnp.asarray(H, q.dtype))
+    if causal:
+        mask = jnp.arange(T)[:, None] + (S - T) >= jnp.arange(S)[None, :]
+        scores = jnp.where(mask, scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bnts,bsnh->btnh", weights, v)
+
+
+def attention_layer(p: dict, x, *, causal: bool = True):
+    """Projections + attention + output projection (no norm, no residual). x: [B, T, D]."""
+    q = jnp.einsum("btd,dnh->btnh", x, p["wq"])
+    k = jnp.einsum("btd,dkh->btkh", x, p["wk"])
+    v = jnp.einsum("btd,dkh->btkh", x, p["wv"])
+    o = attention(q, k, v, causal=causal)
+    return jnp.einsum("btnh,nhd->btd", o, p["wo"])
+
+
+def mlp(p: dict, x, *, kind: str = "gelu"):
+    """GeLU: GeLU(x W_up) W_down. SwiGLU: (silu(x W_gate) * x W_up) W_down. x: [..., D]."""
+    up = x @ p["w_up"]
+    if kind == "gelu":
+        hidden = jax.nn.gelu(up, approximate=False)
+    elif kind == "swiglu":
+        hidden = jax.nn.silu(x @ p["w_gate"]) * up
+    else:
+        raise ValueError(f"mlp kind {kind!r}: use 'gelu' or 'swiglu'")
+    return hidden @ p["w_down"]
+
+
+def router_weights(router, x, *, top_k: int, renormalize: bool = True):
+    """Softmax router, top-k. x: [..., D] -> gates [..., E], zero outside each token's top-k."""
+    probs = jax.nn.softmax(x @ router, axis=-1)
+    top_vals, top_idx = jax.lax.top_k(probs, top_k)
+    if renormalize:
+        top_vals = top_vals / jnp.sum(top_vals, axis=-1, keepdims=True)
+    one_hot = jax.nn.one_hot(top_idx, probs.shape[-1], dtype=probs.dtype)  # [..., k, E]
+    return jnp.einsum("...k,...ke->...e", top_vals, one_hot)
+
+
+def moe(p: dict, x, *, top_k: int, kind: str = "gelu", renormalize: bool = True):
+    """Mixture of experts, every expert run on every token, mixed by the top-k gates.
+    No capacity, nothing dropped. x: [..., D]."""
+    gates = router_weights(p["router"], x, top_k=top_k, renormalize=renormalize)
+    out = jnp.zeros_like(x)
+    for e in range(p["router"].shape[-1]):
+        expert = {name: p[name][e] for name in ("w_up", "w_gate", "w_down") if name in p}
+        out = out + gates[..., e:e + 1] * mlp(expert, x, kind=kind)
+    return out
+
+
+def block(p: dict, x, cfg: ModelConfig):
+    """Pre-norm block: h = x + attn(norm(x)); y = h + mlp_or_moe(norm(h)). x: [B, T, D]."""
+    h = x + attention_layer(p, rms_norm(x, p["attn_norm"], cfg.norm_eps), causal=cfg.causal)
+    z = rms_norm(h, p["mlp_norm"], cfg.norm_eps)
+    if cfg.n_experts:
+        return h + moe(p, z, top_k=cfg.top_k, kind=cfg.mlp, renormalize=cfg.moe_renormalize)
+    return h + mlp(p, z, kind=cfg.mlp)
+
+
+def forward(params: dict, tokens, cfg: ModelConfig):
+    """tokens: int[B, T] -> logits [B, T, V]."""
+    x = params["embed"][tokens]
+    for i in range(cfg.n_layers):
+        x = block(layer_params(params, i), x, cfg)
+    return rms_norm(x, params["final_norm"], cfg.norm_eps) @ params["unembed"]
+
+
+def cross_entropy(logits, targets):
+    """Mean over tokens of -log softmax(logits)[target]. logits [..., V], targets int[...]."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def loss(params: dict, tokens, cfg: ModelConfig):
+    """Next-token cross-entropy: position t predicts token t+1. tokens: int[B, T]."""
+    logits = forward(params, tokens[:, :-1], cfg)
+    return cross_entropy(logits, tokens[:, 1:])
+
+
+def tour_check():
+    """The reference against JAX's own attention, and the dense MoE against a per-token loop."""
+    import numpy as np
+
+    from jaxpar.tour import Row
+    from jaxpar.testing import max_abs_diff
+
+    rows = []
+    key = jax.random.PRNGKey(0)
+    kq, kk, kv = jax.random.split(key, 3)
+    for N, K in ((8, 8), (8, 2)):
+        q = jax.random.normal(kq, (2, 16, N, 4))
+        k = jax.random.normal(kk, (2, 16, K, 4))
+        v = jax.random.normal(kv, (2, 16, K, 4))
+        err = max(max_abs_diff(attention(q, k, v, causal=c),
+                               jax.nn.dot_product_attention(q, k, v, is_causal=c)) for c in (True, False))
+        kind = "MHA" if N == K else "GQA"
+        rows.append(Row(technique=f"reference attention ({kind}) vs jax.nn", mesh="-", max_error=err,
+                        collectives="-", seconds=0.0, ok=err < 1e-5))
+    cfg = ModelConfig(n_experts=4, top_k=2, n_layers=1)
+    p = layer_params(init_params(key, cfg), 0)
+    x = jax.random.normal(key, (5, cfg.d_model))
+    gates = np.asarray(router_weights(p["router"], x, top_k=cfg.top_k))
+    loop = np.stack([
+        sum(gates[t, e] * np.asarray(mlp({n: p[n][e] for n in ("w_up", "w_down")}, x[t]))
+            for e in range(cfg.n_experts) if gates[t, e] > 0)
+        for t in range(x.shape[0])])
+    err = max_abs_diff(moe(p, x, top_k=cfg.top_k), loop)
+    rows.append(Row(technique="reference MoE (dense) vs per-token loop", mesh="-", max_error=err,
+                    collectives="-", seconds=0.0, ok=err < 1e-5))
+    return rows

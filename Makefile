@@ -1,0 +1,30 @@
+# Two commands from a fresh clone (Python >= 3.11 on PATH as python3, or PYTHON=...):
+#   make demo   set up .venv and run the tour of every technique on 8 fake CPU devices
+#   make test   set up .venv and run the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench venv clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), f"jaxpar needs Python >= 3.11, found {sys.version.split()[0]}; run make PYTHON=python3.11 ..."'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/jaxpar tour
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --durations=15
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -1,0 +1,424 @@
+"""Pipeline schedules as data (lecture section 2; its script 01_pipeline_schedules.py).
+
+A `Schedule` is the table `actions[tick][device]`: the `Action(kind, microbatch, chunk)`
+that *starts* on that device at that tick, or None. An action occupies `costs[kind]`
+consecutive ticks (lecture default F=1, B=2; with the backward split of Qi et al. 2023,
+B=1 for the input gradient and W=1 for the weight gradient), so `occupancy(device)`
+gives what a device is busy with at every tick and `program(device)` its ordered
+actions with their start ticks. Everything else is read from that table: the bubble,
+the peak live activations, the sends between devices, the ASCII/PNG/Perfetto
+timelines (`schedule_viz`), the validator, and the JAX runtime (`runtime.py`).
+
+Generators give each device an ordered program and `schedule_orders.simulate` places
+every action at the earliest tick its device and its inputs allow, as a device with
+blocking receives would run it. So no figure is ever taken from a formula.
+
+    s = make("1f1b", stages=4, microbatches=8)
+    s.bubble_fraction, s.peak_activations   # 3/11, [4, 3, 2, 1]
+    print(s.ascii())                         # the lecture's rows, character for character
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from jaxpar.pipeline import schedule_viz
+
+
+class Action(NamedTuple):
+    """One unit of work: kind F (forward), B (backward; input gradient only when the
+    schedule splits the backward), or W (weight gradient), of one microbatch on one chunk
+    (model piece) of a device."""
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}" + (f".c{self.chunk}" if self.chunk else "")
+
+
+class Send(NamedTuple):
+    """A point-to-point transfer: the output of F (activation, to the next stage) or of B
+    (input gradient, to the previous stage) of `microbatch`, ready at `tick` on `src`
+    (chunk `chunk`) and consumed from `needed_at` on `dst` (chunk `dst_chunk`)."""
+
+    tick: int
+    src: int
+    dst: int
+    kind: str
+    microbatch: int
+    chunk: int
+    dst_chunk: int
+    needed_at: int
+
+
+class ScheduleError(ValueError):
+    """A table that cannot run: `tick` and `device` locate it (tick None: nowhere in time,
+    e.g. a missing action); the message ends with the timeline and a `^` under the spot."""
+
+    def __init__(self, message: str, schedule: Schedule, tick: int | None, device: int):
+        self.tick, self.device = tick, device
+        super().__init__(f"{message}\n{schedule_viz.mark(schedule, tick, device)}")
+
+
+# F=1, B=2 is the lecture's time model; split backward halves B into B (input) and W (weights).
+DEFAULT_COSTS = {"F": 1, "B": 2}
+DEFAULT_SPLIT_COSTS = {"F": 1, "B": 1, "W": 1}
+KNOWN = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
+
+Key = tuple[str, int, int]  # (kind, microbatch, stage): one action, wherever it runs
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Schedule:
+    """A pipeline schedule: p = `stages` devices, m = `microbatches`, v = `chunks` per
+    device (virtual stage of (device, chunk) = chunk*p + device, Megatron's mapping),
+    per-kind `costs` in ticks, `split_backward` (B is input-gradient only, W the weight
+    gradient), and `actions[tick][device]` = the Action starting there, or None."""
+
+    name: str
+    stages: int
+    microbatches: int
+    chunks: int
+    costs: Mapping[str, int]
+    split_backward: bool
+    actions: Sequence[Sequence[Action | None]]
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.stages * self.chunks
+
+    def stage_of(self, device: int, chunk: int) -> int:
+        """The model stage that `chunk` of `device` holds (Megatron's interleaved mapping)."""
+        return chunk * self.stages + device
+
+    def device_of(self, stage: int) -> tuple[int, int]:
+        """(device, chunk) holding model `stage`; inverse of `stage_of`."""
+        return stage % self.stages, stage // self.stages
+
+    def cost(self, action: Action) -> int:
+        return self.costs[action.kind]
+
+    # ---- the table, read three ways ----------------------------------------------
+
+    @functools.cached_property
+    def _programs(self) -> tuple[tuple[tuple[int, Action], ...], ...]:
+        progs: list[list[tuple[int, Action]]] = [[] for _ in range(self.stages)]
+        for t, row in enumerate(self.actions):
+            for d, a in enumerate(row):
+                if a is not None:
+                    progs[d].append((t, a))
+        return tuple(tuple(p) for p in progs)
+
+    def program(self, device: int) -> tuple[tuple[int, Action], ...]:
+        """`device`'s actions in the order it runs them, as (start tick, Action)."""
+        return self._programs[device]
+
+    @functools.cached_property
+    def total_time(self) -> int:
+        """Ticks from the first start to the last end (the lecture's timeline width)."""
+        return max((t + self.cost(a) for p in self._programs for t, a in p), default=0)
+
+    def occupancy(self, device: int) -> list[Action | None]:
+        """What `device` is busy with at each tick (None: idle)."""
+        busy: list[Action | None] = [None] * self.total_time
+        for t, a in self.program(device):
+            busy[t:t + self.cost(a)] = [a] * self.cost(a)
+        return busy
+
+    @functools.cached_property
+    def _where(self) -> dict[Key, tuple[int, int, Action]]:
+        """(kind, microbatch, stage) -> (start tick, device, action); last one wins."""
+        return {(a.kind, a.microbatch, self.stage_of(d, a.chunk)): (t, d, a)
+                for d, p in enumerate(self._programs) for t, a in p}
+
+    def start(self, kind: str, microbatch: int, stage: int) -> int:
+        return self._where[kind, microbatch, stage][0]
+
+    def end(self, kind: str, microbatch: int, stage: int) -> int:
+        t, _, a = self._where[kind, microbatch, stage]
+        return t + self.cost(a)
+
+    def inputs(self, device: int, action: Action) -> list[Key]:
+        """The actions whose results `action` needs: F the previous stage's F; B its own
+        F and the next stage's B; W its own B. The first two cross devices: receives."""
+        k, i, last = self.stage_of(device, action.chunk), action.microbatch, self.virtual_stages - 1
+        if action.kind == "F":
+            return [("F", i, k - 1)] if k > 0 else []
+        if action.kind == "B":
+            return [("F", i, k)] + ([("B", i, k + 1)] if k < last else [])
+        return [("B", i, k)]
+
+    # ---- statistics, all read off the table -----------------------------------------
+
+    @functools.cached_property
+    def busy_time(self) -> list[int]:
+        return [sum(self.cost(a) for _, a in p) for p in self._programs]
+
+    @functools.cached_property
+    def idle_time(self) -> list[int]:
+        """Idle ticks per device within [0, total_time)."""
+        return [self.total_time - b for b in self.busy_time]
+
+    @functools.cached_property
+    def bubble_fraction(self) -> float:
+        """Idle time / total time over all devices (the lecture's bubble)."""
+        return sum(self.idle_time) / (self.stages * self.total_time) if self.total_time else 0.0
+
+    @functools.cached_property
+    def steady_bubble_fraction(self) -> float:
+        """The bubble when steps run back to back and each device starts its next step as
+        soon as its own last action ends (Qi et al.'s optimizer post-validation): the
+        period is the longest per-device span from first start to last end."""
+        spans = [p[-1][0] + self.cost(p[-1][1]) - p[0][0] for p in self._programs if p]
+        period = max(spans, default=0)
+        return 1 - sum(self.busy_time) / (self.stages * period) if period else 0.0
+
+    def _peak(self, until: str) -> list[int]:
+        peaks = []
+        for d, prog in enumerate(self._programs):
+            events = []
+            for t, a in prog:
+                if a.kind == "F":
+                    events.append((t, 1))
+                elif a.kind == until:
+                    events.append((t + self.cost(a), -1))
+            live = peak = 0
+            for _, delta in sorted(events):  # at a tie, the free (-1) sorts before the new F
+                live += delta
+                peak = max(peak, live)
+            peaks.append(peak)
+        return peaks
+
+    @functools.cached_property
+    def peak_activations(self) -> list[int]:
+        """Per device, the most microbatch-chunks live at once, a microbatch's activation
+        living from the start of its F to the end of its B (input gradient)."""
+        return self._peak("B")
+
+    @functools.cached_property
+    def peak_in_flight(self) -> list[int]:
+        """Per device, the most microbatch-chunks whose weight gradient is still to come
+        (from F to the end of W; equals `peak_activations` without the backward split).
+        This is the number of slots a runtime keeps for the vjp residuals."""
+        return self._peak("W" if self.split_backward else "B")
+
+    @functools.cached_property
+    def sends(self) -> list[Send]:
+        """Every activation (F) and input gradient (B) that crosses devices, by tick."""
+        out = []
+        for d, prog in enumerate(self._programs):
+            for t, a in prog:
+                k = self.stage_of(d, a.chunk)
+                nxt = k + 1 if a.kind == "F" else k - 1
+                if a.kind == "W" or not 0 <= nxt < self.virtual_stages:
+                    continue
+                dst, dst_chunk = self.device_of(nxt)
+                if dst != d:
+                    out.append(Send(t + self.cost(a), d, dst, a.kind, a.microbatch, a.chunk,
+                                    dst_chunk, self.start(a.kind, a.microbatch, nxt)))
+        return sorted(out)
+
+    # ---- views --------------------------------------------------------------------
+
+    def ascii(self) -> str:
+        """Header (bubble, total time, peak activations) and one row per stage, in the
+        lecture's alphabet; see `schedule_viz.LEGEND`."""
+        return schedule_viz.render(self)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name, "stages": self.stages, "microbatches": self.microbatches,
+            "chunks": self.chunks, "costs": dict(self.costs), "split_backward": self.split_backward,
+            "total_time": self.total_time, "bubble_fraction": self.bubble_fraction,
+            "steady_bubble_fraction": self.steady_bubble_fraction,
+            "peak_activations": self.peak_activations, "peak_in_flight": self.peak_in_flight,
+            "programs": [[{"tick": t, "kind": a.kind, "microbatch": a.microbatch, "chunk": a.chunk,
+                           "stage": self.stage_of(d, a.chunk)} for t, a in p]
+                         for d, p in enumerate(self._programs)],
+            "sends": [s._asdict() for s in self.sends],
+        }
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def chrome_trace(self) -> dict:
+        """The schedule as Chrome-trace JSON (open in ui.perfetto.dev); 1 tick = 1 ms."""
+        return schedule_viz.chrome_trace(self)
+
+    def save_png(self, path: str) -> None:
+        """A timeline figure (matplotlib, imported only here)."""
+        schedule_viz.save_png(self, path)
+
+    # ---- validation -----------------------------------------------------------------
+
+    def validate(self) -> Schedule:
+        """Raise ScheduleError unless the table can run: known kinds and indices, one
+        action at a time per device, every action exactly once, no deadlock with
+        blocking receives, and each action starting after the actions it needs ended."""
+        kinds = "FBW" if self.split_backward else "FB"
+        for d, prog in enumerate(self._programs):
+            for t, a in prog:
+                if a.kind not in kinds or not 0 <= a.microbatch < self.microbatches \
+                        or not 0 <= a.chunk < self.chunks:
+                    raise ScheduleError(f"tick {t}, device {d}: {a!r} is not an action of this "
+                                        f"schedule (kinds {kinds}, microbatches < {self.microbatches}, "
+                                        f"chunks < {self.chunks})", self, t, d)
+            for (t0, a0), (t1, a1) in zip(prog, prog[1:]):
+                if t0 + self.cost(a0) > t1:
+                    raise ScheduleError(f"tick {t1}, device {d}: {a1} starts while {a0} "
+                                        f"(ticks {t0}..{t0 + self.cost(a0) - 1}) still runs", self, t1, d)
+        seen: dict[Key, int] = {}
+        for d, prog in enumerate(self._programs):
+            for t, a in prog:
+                key = (a.kind, a.microbatch, self.stage_of(d, a.chunk))
+                if key in seen:
+                    raise ScheduleError(f"tick {t}, device {d}: {a} (stage {key[2]}) is done twice; "
+                                        f"first at tick {seen[key]}", self, t, d)
+                seen[key] = t
+        for k in range(self.virtual_stages):
+            d, c = self.device_of(k)
+            for i in range(self.microbatches):
+                for kind in kinds:
+                    if (kind, i, k) not in seen:
+                        raise ScheduleError(f"device {d}: {Action(kind, i, c)} of stage {k} is "
+                                            f"missing", self, None, d)
+        cycle = find_deadlock([[a for _, a in p] for p in self._programs], self)
+        if cycle:
+            t, d, a = min(self._where[self._key(d, a)] for d, a in cycle)
+            chain = " -> ".join(f"{a} on device {d}" for d, a in cycle)
+            raise ScheduleError(f"tick {t}, device {d}: deadlock with blocking receives; each "
+                                f"waits for the next: {chain} -> (back to the first)", self, t, d)
+        for d, prog in enumerate(self._programs):
+            for t, a in prog:
+                for key in self.inputs(d, a):
+                    if self.end(*key) > t:
+                        raise ScheduleError(f"tick {t}, device {d}: {a} starts before its input "
+                                            f"{key[0]}{key[1]} of stage {key[2]} ends "
+                                            f"(tick {self.end(*key)})", self, t, d)
+        return self
+
+    def _key(self, device: int, action: Action) -> Key:
+        return action.kind, action.microbatch, self.stage_of(device, action.chunk)
+
+
+def find_deadlock(programs: Sequence[Sequence[Action]], shape: Schedule) -> list[tuple[int, Action]]:
+    """A cycle of the wait-for graph, as [(device, action), ...], or [] if none.
+
+    Each action waits for the one before it on its device and for the actions whose
+    results it receives (`Schedule.inputs`); a receive blocks until the producer ran.
+    Iterative depth-first search, so p=8, m=32, v=4 stays well under a millisecond a node."""
+    node = {shape._key(d, a): (d, j) for d, p in enumerate(programs) for j, a in enumerate(p)}
+
+    def waits_for(d: int, j: int) -> list[tuple[int, int]]:
+        out = [(d, j - 1)] if j else []
+        return out + [node[k] for k in shape.inputs(d, programs[d][j]) if k in node]
+
+    state: dict[tuple[int, int], int] = {}  # 1 on the DFS path, 2 done
+    for root in node.values():
+        if root in state:
+            continue
+        path, stack = [root], [iter(waits_for(*root))]
+        state[root] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                cycle = path[path.index(nxt):]
+                return [(d, programs[d][j]) for d, j in cycle]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(waits_for(*nxt)))
+    return []
+
+
+def make(name: str, stages: int, microbatches: int, chunks: int | None = None,
+         costs: Mapping[str, int] | None = None) -> Schedule:
+    """Build, simulate and validate a named schedule (one of KNOWN).
+
+    chunks: model chunks per device, interleaved only (default 2 there, 1 elsewhere).
+    costs: ticks per kind, overriding F=1, B=2 (F=B=W=1 for the zero-bubble schedules).
+    Bad input (p or m < 1, interleaved m not a multiple of p, zero-bubble m < p, an
+    unknown name, a bad cost) raises ValueError saying how to fix it."""
+    from jaxpar.pipeline import schedule_orders  # it imports Action and Schedule from here
+
+    return schedule_orders.build(name, stages, microbatches, chunks, costs)
+
+
+# The lecture's section 2.1-2.3 timelines (p=4, F=1, B=2), its bubble figures as printed
+# (rounded to 0.1%) and 1F1B's peak activations. Tests and the tour both read this.
+LECTURE_TIMELINES: dict[str, dict] = {
+    "naive": {"microbatches": 1, "bubble": 0.75, "peak": None, "rows": [
+        "0.........aa", ".0......aa..", "..0...aa....", "...0aa......"]},
+    "gpipe": {"microbatches": 8, "bubble": 0.273, "peak": None, "rows": [
+        "01234567.........aabbccddeeffgghh", ".01234567......aabbccddeeffgghh..",
+        "..01234567...aabbccddeeffgghh....", "...01234567aabbccddeeffgghh......"]},
+    "1f1b": {"microbatches": 8, "bubble": 0.273, "peak": [4, 3, 2, 1], "rows": [
+        "0123......aa4bb5cc6dd7ee.ff.gg.hh", ".012....aa3bb4cc5dd6ee7ff.gg.hh..",
+        "..01..aa2bb3cc4dd5ee6ff7gg.hh....", "...0aa1bb2cc3dd4ee5ff6gg7hh......"]},
+}
+
+
+def interleaved_bubble(p: int, m: int, v: int) -> float:
+    """The bubble of jaxpar's interleaved tables, for any F and B costs: total time is
+    (v*m + p - 1)(F + B), so idle/total = (p-1)/(v*m + p-1), i.e. idle/busy = (p-1)/(v*m),
+    Narayanan et al.'s figure (they divide by the ideal time)."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def tour_check():
+    """Rows for `jaxpar tour`: the lecture's three timelines, the GPipe/1F1B formula over
+    p in 1..8, m in 1..32, and the interleaved / zero-bubble figures."""
+    from jaxpar.tour import Row
+
+    rows = []
+    for name, fig in LECTURE_TIMELINES.items():
+        t0 = time.perf_counter()
+        s = make(name, 4, fig["microbatches"])
+        err = abs(s.bubble_fraction - fig["bubble"])
+        same = s.ascii().splitlines()[1:] == [f"  stage {d}: {r}" for d, r in enumerate(fig["rows"])]
+        peak_ok = fig["peak"] is None or s.peak_activations == fig["peak"]
+        rows.append(Row(technique=f"{schedule_viz.DISPLAY[name]} schedule p=4 m={s.microbatches}", mesh="-",
+                        max_error=err, collectives=f"{len(s.sends)} sends", seconds=time.perf_counter() - t0,
+                        ok=same and peak_ok and err < 5e-4,
+                        note=f"bubble {schedule_viz.percent(s.bubble_fraction)} (lecture "
+                             f"{schedule_viz.percent(fig['bubble'])}), timeline "
+                             + ("= lecture" if same else "DIFFERS from lecture")
+                             + (f", peak {s.peak_activations}" if fig["peak"] else "")))
+    t0 = time.perf_counter()
+    err = max(abs(make(n, p, m).bubble_fraction - (p - 1) / (m + p - 1))
+              for n in ("gpipe", "1f1b") for p in range(1, 9) for m in range(1, 33))
+    rows.append(Row(technique="GPipe/1F1B bubble, p 1..8 x m 1..32", mesh="-", max_error=err,
+                    collectives="-", seconds=time.perf_counter() - t0, ok=err < 1e-12,
+                    note="vs (p-1)/(m+p-1)"))
+    t0 = time.perf_counter()
+    s = make("interleaved", 4, 8, 2)
+    err = abs(s.bubble_fraction - interleaved_bubble(4, 8, 2))
+    rows.append(Row(technique="interleaved 1F1B p=4 m=8 v=2", mesh="-", max_error=err,
+                    collectives=f"{len(s.sends)} sends (1F1B {len(make('1f1b', 4, 8).sends)})",
+                    seconds=time.perf_counter() - t0, ok=err < 1e-12,
+                    note=f"bubble {schedule_viz.percent(s.bubble_fraction)} = (p-1)/(vm+p-1)"))
+    t0 = time.perf_counter()
+    zb1, ref = make("zb-h1", 4, 8), make("1f1b", 4, 8, costs={"B": 2})
+    ratio = sum(zb1.idle_time) / sum(ref.idle_time)
+    rows.append(Row(technique="ZB-H1 p=4 m=8 F=B=W", mesh="-", max_error=abs(ratio - 1 / 3),
+                    collectives=f"{len(zb1.sends)} sends", seconds=time.perf_counter() - t0,
+                    ok=abs(ratio - 1 / 3) < 1e-12 and max(zb1.peak_activations) == 4,
+                    note=f"idle {ratio:.3f} of 1F1B's, peak {zb1.peak_activations}"))
+    t0 = time.perf_counter()
+    zb2 = make("zb-h2", 4, 8)
+    rows.append(Row(technique="ZB-H2 p=4 m=8 F=B=W", mesh="-", max_error=zb2.steady_bubble_fraction,
+                    collectives=f"{len(zb2.sends)} sends", seconds=time.perf_counter() - t0,
+                    ok=zb2.steady_bubble_fraction < 1e-12 and zb2.peak_activations[0] == 7,
+                    note=f"back-to-back bubble {schedule_viz.percent(zb2.steady_bubble_fraction)}, "
+                         f"peak {zb2.peak_activations} (2p-1 = 7)"))
+    return rows

@@ -1,0 +1,169 @@
+"""The order in which each device runs its actions, for every named schedule, and the
+simulator that times them.
+
+A generator returns one list of `Action`s per device; `simulate` turns the lists into
+the timed table of a `Schedule`, and `build` (behind `schedule.make`) checks the request
+first. The orders are the published ones: GPipe (Huang et al. 2019), 1F1B
+/ PipeDream-Flush (Narayanan et al. 2021), Megatron's interleaved 1F1B (Narayanan et al.
+2021, virtual stage = chunk*p + device) and the handcrafted ZB-H1 / ZB-H2 of Qi et al.
+2023 ("Zero Bubble Pipeline Parallelism"), whose backward is split into B (input
+gradient, which the previous stage waits for) and W (weight gradient, which nobody waits
+for and so fills the bubbles).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+from jaxpar.pipeline.schedule import (DEFAULT_COSTS, DEFAULT_SPLIT_COSTS, KNOWN, Action, Key, Schedule,
+                                      find_deadlock)
+
+
+def naive(p: int, m: int, v: int) -> list[list]:
+    """No pipelining: each microbatch goes all the way forward and back before the next
+    starts (m > 1 is gradient accumulation, which does not shrink the bubble)."""
+    return [[Action(k, i) for i in range(m) for k in "FB"] for _ in range(p)]
+
+
+def gpipe(p: int, m: int, v: int) -> list[list]:
+    """All m forwards, then all m backwards (Huang et al. 2019)."""
+    return [[Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
+            for _ in range(p)]
+
+
+def one_f_one_b(p: int, m: int, v: int, split: bool = False, deferred=lambda d: 0,
+                warmup=lambda d, p: p - d - 1) -> list[list]:
+    """1F1B (PipeDream-Flush): stage s warms up with p-s-1 forwards, then alternates one
+    forward and one backward, then drains the remaining backwards.
+
+    With `split`, each B is followed by the W of the microbatch `deferred(s)` backwards
+    earlier, and the held-back W's close the program (the zero-bubble variants)."""
+    progs = []
+    for d in range(p):
+        w = min(warmup(d, p), m)
+        prog = [Action("F", i) for i in range(w)]
+        for j in range(m):
+            if w + j < m:
+                prog.append(Action("F", w + j))
+            prog.append(Action("B", j))
+            if split and j >= deferred(d):
+                prog.append(Action("W", j - deferred(d)))
+        if split:
+            prog += [Action("W", i) for i in range(max(0, m - deferred(d)), m)]
+        progs.append(prog)
+    return progs
+
+
+def zb_h1(p: int, m: int, v: int) -> list[list]:
+    """ZB-H1: 1F1B's forwards and input-gradient backwards, so 1F1B's activation memory;
+    stage s holds back s weight gradients, which then fill the drain, where stage s would
+    otherwise wait for input gradients (bubble (p-1)(F+B-W) per device; Qi et al. 2023)."""
+    return one_f_one_b(p, m, v, split=True, deferred=lambda d: d)
+
+
+def zb_h2(p: int, m: int, v: int) -> list[list]:
+    """ZB-H2: stage s warms up with 2(p-s)-1 forwards (up to 2p-1 live activations on the
+    first stage) so no device waits for its first input gradient, and holds back 2s
+    weight gradients for the drain. Back-to-back steps then form a parallelogram with no
+    bubble (Qi et al. 2023, who also post-validate the optimizer step to keep it)."""
+    return one_f_one_b(p, m, v, split=True, deferred=lambda d: 2 * d,
+                       warmup=lambda d, p: 2 * (p - d - 1))
+
+
+def interleaved(p: int, m: int, v: int) -> list[list]:
+    """Megatron's interleaved 1F1B: device d holds chunks 0..v-1 (stages d, p+d, ...);
+    forwards go in rounds of p microbatches through chunk 0, then chunk 1, ...; backwards
+    likewise from the last chunk; warm-up (p-d-1)*2 + (v-1)*p forwards (m % p == 0)."""
+    total = m * v
+
+    def order(k: int, backward: bool):
+        chunk = (k // p) % v
+        mb = (k // (p * v)) * p + k % p
+        return Action("B" if backward else "F", mb, v - 1 - chunk if backward else chunk)
+
+    progs = []
+    for d in range(p):
+        w = min((p - d - 1) * 2 + (v - 1) * p, total)
+        prog = [order(k, False) for k in range(w)]
+        for j in range(total):
+            if w + j < total:
+                prog.append(order(w + j, False))
+            prog.append(order(j, True))
+        progs.append(prog)
+    return progs
+
+
+PROGRAMS: dict[str, Callable[[int, int, int], list[list]]] = {
+    "naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved,
+    "zb-h1": zb_h1, "zb-h2": zb_h2,
+}
+
+
+def simulate(name: str, stages: int, microbatches: int, chunks: int, costs: Mapping[str, int],
+             split_backward: bool, programs: Sequence[Sequence[Action]]) -> Schedule:
+    """Place each device's program in order, every action at the earliest tick at which
+    its device is free and its inputs have ended (a device with blocking receives)."""
+    shape = Schedule(name, stages, microbatches, chunks, dict(costs), split_backward, ())
+    end: dict[Key, int] = {}
+    placed: list[list[tuple[int, Action]]] = [[] for _ in range(stages)]
+    free = [0] * stages
+    progress = True
+    while progress:
+        progress = False
+        for d, prog in enumerate(programs):
+            while len(placed[d]) < len(prog):
+                a = prog[len(placed[d])]
+                needs = shape.inputs(d, a)
+                if any(k not in end for k in needs):
+                    break
+                t = max([free[d]] + [end[k] for k in needs])
+                free[d] = end[shape._key(d, a)] = t + costs[a.kind]
+                placed[d].append((t, a))
+                progress = True
+    if any(len(p) < len(q) for p, q in zip(placed, programs)):
+        chain = " -> ".join(f"{a} on device {d}" for d, a in find_deadlock(programs, shape))
+        raise ValueError(f"{name}: the device programs deadlock: {chain} -> (back to the first)")
+    table: list[list[Action | None]] = [[None] * stages for _ in range(max(free, default=0))]
+    for d, p in enumerate(placed):
+        for t, a in p:
+            table[t][d] = a
+    return dataclasses.replace(shape, actions=tuple(tuple(r) for r in table))
+
+
+def build(name: str, stages: int, microbatches: int, chunks: int | None,
+          costs: Mapping[str, int] | None) -> Schedule:
+    """`schedule.make`: check the request, run the named order through `simulate`, validate."""
+    if name not in KNOWN:
+        raise ValueError(f"unknown schedule {name!r}; known: {', '.join(KNOWN)}")
+    split = name.startswith("zb-")
+    chunks = (2 if name == "interleaved" else 1) if chunks is None else chunks
+    _check_shape(name, stages, microbatches, chunks)
+    full = dict(DEFAULT_SPLIT_COSTS if split else DEFAULT_COSTS)
+    for kind, c in (costs or {}).items():
+        if kind not in full:
+            raise ValueError(f"cost {kind}={c}: {name} has kinds {', '.join(full)} only"
+                             + ("" if split else " (W exists only with the split backward: zb-h1, zb-h2)"))
+        if not isinstance(c, int) or c < 1:
+            raise ValueError(f"cost {kind}={c}: costs are whole ticks >= 1, e.g. {kind}=1")
+        full[kind] = c
+    programs = PROGRAMS[name](stages, microbatches, chunks)
+    return simulate(name, stages, microbatches, chunks, full, split, programs).validate()
+
+
+def _check_shape(name: str, p: int, m: int, v: int) -> None:
+    if p < 1:
+        raise ValueError(f"stages p={p}: a pipeline needs at least 1 stage (-p 1 or more)")
+    if m < 1:
+        raise ValueError(f"microbatches m={m}: need at least 1 microbatch (-m 1 or more)")
+    if name == "interleaved":
+        if v < 2:
+            raise ValueError(f"interleaved with chunks v={v}: use -v 2 or more (v=1 is 1f1b)")
+        if m % p:
+            near = max(p, round(m / p) * p)
+            raise ValueError(f"interleaved needs microbatches a multiple of stages (Megatron's "
+                             f"schedule): m={m}, p={p}; nearest valid m is {near}")
+    elif v != 1:
+        raise ValueError(f"chunks v={v} applies to interleaved only; drop -v for {name}")
+    if name.startswith("zb-") and m < p:
+        raise ValueError(f"{name} needs microbatches >= stages: m={m} < p={p}; use -m {p} or more")

@@ -1,0 +1,132 @@
+"""Views of a `Schedule`: the lecture's ASCII timeline, a matplotlib PNG, a Chrome trace.
+
+All three read the same table (`Schedule.program`); none knows how a schedule was built.
+matplotlib is imported only when a PNG is asked for.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxpar.pipeline.schedule import Action, Schedule
+
+LEGEND = (
+    "one character per tick; digit i = forward of microbatch i (mod 10); a, b, c, ... = "
+    "backward of microbatch 0, 1, 2, ... (mod 26; the input gradient only when the backward "
+    "is split); A, B, C, ... = its weight gradient W; '.' = idle; '#' = two actions at once "
+    "(invalid). Interleaved: one row per device, and under it the chunk of each busy tick."
+)
+DISPLAY = {"naive": "naive", "gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B",
+           "zb-h1": "ZB-H1", "zb-h2": "ZB-H2"}
+
+
+def char(a: Action) -> str:
+    """The lecture's alphabet: digits forward, lowercase backward, uppercase weight gradient."""
+    if a.kind == "F":
+        return str(a.microbatch % 10)
+    letters = string.ascii_lowercase if a.kind == "B" else string.ascii_uppercase
+    return letters[a.microbatch % 26]
+
+
+def percent(x: float) -> str:
+    """27.3%, 75% (one decimal, as the lecture prints them)."""
+    return f"{100 * x:.1f}".removesuffix(".0") + "%"
+
+
+def _label(s: Schedule) -> tuple[str, int]:
+    word = "stage" if s.chunks == 1 else "device"
+    return word, len(f"{word} {s.stages - 1}")
+
+
+def timeline_rows(s: Schedule) -> list[str]:
+    """One row per stage (per device, plus a chunk row, when interleaved)."""
+    word, width = _label(s)
+    rows = []
+    for d in range(s.stages):
+        cells, chunks = ["."] * s.total_time, [" "] * s.total_time
+        for t, a in s.program(d):
+            for u in range(t, t + s.cost(a)):
+                cells[u] = char(a) if cells[u] == "." else "#"
+                chunks[u] = str(a.chunk % 10)
+        rows.append(f"  {f'{word} {d}':<{width}}: {''.join(cells)}")
+        if s.chunks > 1:
+            rows.append(f"  {'chunk':<{width}}: {''.join(chunks)}".rstrip())
+    return rows
+
+
+def header(s: Schedule) -> str:
+    word, _ = _label(s)
+    dims = f"p={s.stages}, m={s.microbatches}" + (f", v={s.chunks}" if s.chunks > 1 else "")
+    out = (f"{DISPLAY.get(s.name, s.name)} ({dims}): bubble {percent(s.bubble_fraction)}, "
+           f"total time {s.total_time}, peak activations per {word} {s.peak_activations}")
+    if s.split_backward:
+        out += f", in flight until W {s.peak_in_flight}"
+    if abs(s.steady_bubble_fraction - s.bubble_fraction) > 1e-9:
+        out += f"; back to back: bubble {percent(s.steady_bubble_fraction)}"
+    return out
+
+
+def render(s: Schedule) -> str:
+    return "\n".join([header(s), *timeline_rows(s)])
+
+
+def mark(s: Schedule, tick: int | None, device: int) -> str:
+    """The timeline with a `^` under (tick, device); at the row's end when tick is None."""
+    _, width = _label(s)
+    rows = timeline_rows(s)
+    at = device * (2 if s.chunks > 1 else 1)
+    col = 4 + width + (s.total_time if tick is None else tick)
+    note = "missing here" if tick is None else f"tick {tick}, device {device}"
+    return "\n".join(rows[:at + 1] + [" " * col + "^ " + note] + rows[at + 1:])
+
+
+def chrome_trace(s: Schedule) -> dict:
+    """Chrome-trace JSON (chrome://tracing, ui.perfetto.dev): one thread per device, one
+    slice per action, a flow arrow per send; 1 tick = 1000 us."""
+    us = 1000
+    events: list[dict] = [{"ph": "M", "pid": 0, "name": "process_name",
+                           "args": {"name": f"{s.name} p={s.stages} m={s.microbatches} v={s.chunks}"}}]
+    for d in range(s.stages):
+        events.append({"ph": "M", "pid": 0, "tid": d, "name": "thread_name", "args": {"name": f"device {d}"}})
+        for t, a in s.program(d):
+            events.append({"ph": "X", "pid": 0, "tid": d, "name": str(a), "cat": a.kind,
+                           "ts": t * us, "dur": s.cost(a) * us,
+                           "args": {"microbatch": a.microbatch, "chunk": a.chunk,
+                                    "stage": s.stage_of(d, a.chunk)}})
+    for n, snd in enumerate(s.sends):
+        what = "activation" if snd.kind == "F" else "input gradient"
+        common = {"pid": 0, "id": n, "cat": "send", "name": f"{what} {snd.microbatch}"}
+        events.append({**common, "ph": "s", "tid": snd.src, "ts": snd.tick * us - 1})
+        events.append({**common, "ph": "f", "bp": "e", "tid": snd.dst, "ts": snd.needed_at * us})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#8172b3"}
+
+
+def save_png(s: Schedule, path: str) -> None:
+    """A timeline figure: one lane per device, one box per action, labelled microbatch
+    (and chunk); colours F blue, B orange, W purple."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * s.total_time), 0.5 * s.stages + 1.2))
+    for d in range(s.stages):
+        for t, a in s.program(d):
+            ax.broken_barh([(t, s.cost(a))], (d - 0.4, 0.8), facecolors=COLORS[a.kind], edgecolor="white")
+            label = f"{a.microbatch}" + (f".{a.chunk}" if s.chunks > 1 else "")
+            ax.text(t + s.cost(a) / 2, d, label, ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(s.stages), [f"device {d}" for d in range(s.stages)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, s.total_time)
+    ax.set_xlabel("tick")
+    ax.set_title(header(s), fontsize=8)
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()],
+              labels=["F", "B", "W"], loc="upper right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

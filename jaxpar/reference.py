@@ -21,6 +21,7 @@ Parameters are a plain pytree:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import jax
@@ -59,7 +60,12 @@ class ModelConfig:
 
 
 def init_params(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32) -> dict:
-    """Random parameters: weights ~ N(0, 1/fan_in), norm gains 1."""
+    """Random parameters: weights ~ N(0, 1/fan_in), embedding ~ N(0, 1), norm gains 1."""
+    return _init_params(key, cfg, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))  # one compile instead of ~40 eager ops
+def _init_params(key: jax.Array, cfg: ModelConfig, dtype) -> dict:
     D, F, N, K, H, L, V, E = (cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads,
                               cfg.head_dim, cfg.n_layers, cfg.vocab, cfg.n_experts)
     keys = iter(jax.random.split(key, 16))

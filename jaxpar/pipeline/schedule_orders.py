@@ -160,9 +160,10 @@ def _check_shape(name: str, p: int, m: int, v: int) -> None:
         if v < 2:
             raise ValueError(f"interleaved with chunks v={v}: use -v 2 or more (v=1 is 1f1b)")
         if m % p:
-            near = max(p, round(m / p) * p)
+            lo, hi = m // p * p, m // p * p + p
+            near = str(hi) if lo == 0 or hi - m < m - lo else str(lo) if m - lo < hi - m else f"{lo} or {hi}"
             raise ValueError(f"interleaved needs microbatches a multiple of stages (Megatron's "
-                             f"schedule): m={m}, p={p}; nearest valid m is {near}")
+                             f"schedule): m={m}, p={p}; nearest valid m: {near}")
     elif v != 1:
         raise ValueError(f"chunks v={v} applies to interleaved only; drop -v for {name}")
     if name.startswith("zb-") and m < p:

@@ -7,6 +7,7 @@ matplotlib is imported only when a PNG is asked for.
 from __future__ import annotations
 
 import string
+import textwrap
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -114,7 +115,7 @@ def save_png(s: Schedule, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * s.total_time), 0.5 * s.stages + 1.2))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.25 * s.total_time), 0.5 * s.stages + 1.6))
     for d in range(s.stages):
         for t, a in s.program(d):
             ax.broken_barh([(t, s.cost(a))], (d - 0.4, 0.8), facecolors=COLORS[a.kind], edgecolor="white")
@@ -124,9 +125,10 @@ def save_png(s: Schedule, path: str) -> None:
     ax.invert_yaxis()
     ax.set_xlim(0, s.total_time)
     ax.set_xlabel("tick")
-    ax.set_title(header(s), fontsize=8)
+    width = fig.get_size_inches()[0]
+    ax.set_title(textwrap.fill(header(s), int(width * 14)), fontsize=8)
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()],
-              labels=["F", "B", "W"], loc="upper right", fontsize=7)
+              labels=["F", "B", "W"], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

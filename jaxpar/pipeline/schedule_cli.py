@@ -1,0 +1,111 @@
+"""`jaxpar schedule`: build a pipeline schedule and show its timeline, bubble and memory.
+
+    jaxpar schedule 1f1b -p 4 -m 8                 the lecture's 1F1B timeline
+    jaxpar schedule interleaved -p 4 -m 8 -v 2     Megatron's interleaved 1F1B
+    jaxpar schedule zb-h1 -p 4 -m 8 --costs F=1,B=1,W=1
+    jaxpar schedule --all -p 8 -m 64               every schedule side by side
+    jaxpar schedule gpipe --json | --png t.png | --trace t.json   (Perfetto: ui.perfetto.dev)
+
+Pure Python: no JAX start-up; matplotlib only for --png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import textwrap
+
+from jaxpar.pipeline import schedule, schedule_viz
+
+HELP = "pipeline schedules as data: timelines, bubble, peak activations (lecture section 2)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", nargs="?", metavar="NAME", help=f"one of: {', '.join(schedule.KNOWN)}")
+    parser.add_argument("-p", "--stages", type=int, default=4, help="pipeline stages (devices) p (default 4)")
+    parser.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches m (default 8)")
+    parser.add_argument("-v", "--chunks", type=int, default=None,
+                        help="model chunks per device, interleaved only (default 2)")
+    parser.add_argument("--costs", default=None, metavar="F=1,B=2[,W=1]",
+                        help="ticks per action kind (default F=1,B=2; zb-*: F=1,B=1,W=1)")
+    parser.add_argument("--all", action="store_true", help="compare every schedule for this p and m")
+    parser.add_argument("--json", action="store_true", help="print the schedule (table, stats, sends) as JSON")
+    parser.add_argument("--png", metavar="PATH", help="write a timeline figure")
+    parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace JSON")
+
+
+def parse_costs(text: str | None) -> dict[str, int] | None:
+    """'F=1,B=2,W=1' -> {'F': 1, 'B': 2, 'W': 1}."""
+    if not text:
+        return None
+    costs = {}
+    for item in text.split(","):
+        kind, _, value = item.partition("=")
+        try:
+            costs[kind.strip().upper()] = int(value)
+        except ValueError:
+            raise ValueError(f"--costs {text!r}: write kind=ticks pairs, e.g. --costs F=1,B=2") from None
+    return costs
+
+
+def compare(p: int, m: int, v: int | None, costs: dict[str, int] | None) -> list[dict]:
+    """One summary per known schedule (or the reason it cannot run for this p, m)."""
+    out = []
+    for name in schedule.KNOWN:
+        chunks = v if name == "interleaved" else None
+        own = {k: c for k, c in (costs or {}).items() if k != "W" or name.startswith("zb-")}
+        try:
+            s = schedule.make(name, p, m, chunks, own)
+        except ValueError as e:
+            out.append({"name": name, "error": str(e)})
+            continue
+        d = s.to_dict()
+        out.append({k: d[k] for k in ("name", "chunks", "costs", "total_time", "bubble_fraction",
+                                      "steady_bubble_fraction", "peak_activations", "peak_in_flight")}
+                   | {"sends": len(s.sends)})
+    return out
+
+
+def format_comparison(p: int, m: int, rows: list[dict]) -> str:
+    lines = [f"p={p}, m={m}",
+             f"  {'schedule':<16} {'bubble':>7} {'back2back':>9} {'time':>5} {'sends':>5}  peak activations / in flight until W"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"  {r['name']:<16} cannot run: {r['error']}")
+            continue
+        name = r["name"] + (f" v={r['chunks']}" if r["chunks"] > 1 else "")
+        peaks = str(r["peak_activations"])
+        if r["peak_in_flight"] != r["peak_activations"]:
+            peaks += f" / {r['peak_in_flight']}"
+        lines.append(f"  {name:<16} {schedule_viz.percent(r['bubble_fraction']):>7} "
+                     f"{schedule_viz.percent(r['steady_bubble_fraction']):>9} {r['total_time']:>5} "
+                     f"{r['sends']:>5}  {peaks}")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    costs = parse_costs(args.costs)
+    if args.all:
+        if args.png or args.trace:
+            raise ValueError("--png and --trace draw one schedule: give its NAME instead of --all")
+        rows = compare(args.stages, args.microbatches, args.chunks, costs)
+        print(json.dumps(rows, indent=2) if args.json else format_comparison(args.stages, args.microbatches, rows))
+        return 0
+    if args.name is None:
+        raise ValueError(f"give a schedule NAME ({', '.join(schedule.KNOWN)}) or --all")
+    s = schedule.make(args.name, args.stages, args.microbatches, args.chunks, costs)
+    if args.png:
+        s.save_png(args.png)
+    if args.trace:
+        with open(args.trace, "w") as f:
+            json.dump(s.chrome_trace(), f)
+    if args.json:
+        print(s.to_json(indent=1))
+        return 0
+    print(s.ascii())
+    print(f"\nsends between devices: {len(s.sends)}")
+    print(textwrap.fill(schedule_viz.LEGEND, 100, initial_indent="legend: ", subsequent_indent="  "))
+    for path, what in ((args.png, "timeline figure"), (args.trace, "Chrome trace (ui.perfetto.dev)")):
+        if path:
+            print(f"wrote {what}: {path}")
+    return 0

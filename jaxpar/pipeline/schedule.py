@@ -103,7 +103,8 @@ class Schedule:
         return stage % self.stages, stage // self.stages
 
     def cost(self, action: Action) -> int:
-        return self.costs[action.kind]
+        """Ticks `action` occupies; a kind without a cost (an invalid table) draws as one."""
+        return self.costs.get(action.kind, 1)
 
     # ---- the table, read three ways ----------------------------------------------
 

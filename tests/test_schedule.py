@@ -1,0 +1,215 @@
+"""Pipeline schedules as data: the lecture's timelines, bubble and memory figures computed
+from the tables against formulas written independently here, and the generators' tables
+checked by a dependency checker of this file's own."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxpar.pipeline import schedule as S
+
+SEED = pathlib.Path("/work/shared/seed/000_c4f408be80accaec.txt")
+FAST = settings(max_examples=40, deadline=None)
+
+
+def bubble(s: S.Schedule) -> Fraction:
+    """Idle ticks / (devices x total time), counted from the occupancy, exactly."""
+    idle = sum(a is None for d in range(s.stages) for a in s.occupancy(d))
+    return Fraction(idle, s.stages * s.total_time)
+
+
+def check_dependencies(s: S.Schedule) -> None:
+    """An independent reading of the table: when does each action start and end?"""
+    start, end = {}, {}
+    for d in range(s.stages):
+        prev_end = 0
+        for t, a in s.program(d):
+            assert t >= prev_end, f"device {d} overlaps at tick {t}"
+            prev_end = t + s.costs[a.kind]
+            key = (a.kind, a.microbatch, a.chunk * s.stages + d)
+            assert key not in start
+            start[key], end[key] = t, prev_end
+    n = s.stages * s.chunks
+    kinds = "FBW" if s.split_backward else "FB"
+    assert set(start) == {(k, i, st) for k in kinds for i in range(s.microbatches) for st in range(n)}
+    for (kind, i, k), t in start.items():
+        if kind == "F" and k > 0:
+            assert t >= end["F", i, k - 1]
+        if kind == "B":
+            assert t >= end["F", i, k]
+            if k < n - 1:
+                assert t >= end["B", i, k + 1]
+        if kind == "W":
+            assert t >= end["B", i, k]
+
+
+# ---- the lecture's figures ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(S.LECTURE_TIMELINES))
+def test_lecture_timelines_character_for_character(name):
+    fig = S.LECTURE_TIMELINES[name]
+    s = S.make(name, stages=4, microbatches=fig["microbatches"])
+    text = s.ascii()
+    for d, row in enumerate(fig["rows"]):
+        assert f"  stage {d}: {row}\n" in text + "\n"
+    header = text.splitlines()[0]
+    assert f"bubble {'75%' if name == 'naive' else '27.3%'}," in header
+    if fig["peak"]:
+        assert s.peak_activations == [4, 3, 2, 1] and "[4, 3, 2, 1]" in header
+    assert abs(float(bubble(s)) - fig["bubble"]) < 5e-4
+
+
+@pytest.mark.skipif(not SEED.exists(), reason="lecture text not in this checkout")
+def test_lecture_rows_are_the_lectures():
+    text = SEED.read_text()
+    for fig in S.LECTURE_TIMELINES.values():
+        for d, row in enumerate(fig["rows"]):
+            assert f"阶段 {d}：{row}" in text
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_bubble_formula_every_p_and_m(name):
+    for p in range(1, 9):
+        for m in range(1, 33):
+            s = S.make(name, p, m)
+            assert bubble(s) == Fraction(p - 1, m + p - 1), (p, m)
+            assert s.bubble_fraction == pytest.approx(float(Fraction(p - 1, m + p - 1)), abs=1e-12)
+
+
+@FAST
+@given(p=st.integers(1, 8), m=st.integers(1, 32), f=st.integers(1, 3), b=st.integers(1, 4))
+def test_bubble_formula_any_costs(p, m, f, b):
+    for name in ("gpipe", "1f1b"):
+        s = S.make(name, p, m, costs={"F": f, "B": b})
+        assert bubble(s) == Fraction(p - 1, m + p - 1)
+        assert s.total_time == (m + p - 1) * (f + b)
+
+
+@FAST
+@given(p=st.integers(1, 8), m=st.integers(1, 32))
+def test_peak_activations(p, m):
+    assert S.make("gpipe", p, m).peak_activations == [m] * p
+    assert S.make("1f1b", p, m).peak_activations == [min(p - s, m) for s in range(p)]
+    assert S.make("naive", p, m).peak_activations == [1] * p
+
+
+def test_naive_microbatches_do_not_overlap():
+    s = S.make("naive", 4, 3)
+    assert bubble(s) == Fraction(3, 4) and s.total_time == 3 * 12
+
+
+# ---- interleaved and zero bubble ------------------------------------------------------
+
+
+@FAST
+@given(p=st.integers(1, 8), k=st.integers(1, 4), v=st.integers(2, 4), f=st.integers(1, 2), b=st.integers(1, 3))
+def test_interleaved_bubble(p, k, v, f, b):
+    m = k * p
+    s = S.make("interleaved", p, m, v, costs={"F": f, "B": b})
+    assert bubble(s) == Fraction(p - 1, v * m + p - 1)
+    idle, busy = sum(s.idle_time), sum(s.busy_time)
+    assert Fraction(idle, busy) == Fraction(p - 1, v * m)  # Narayanan et al.'s (p-1)/(v m)
+    assert S.interleaved_bubble(p, m, v) == pytest.approx(float(bubble(s)))
+    check_dependencies(s)
+
+
+def test_interleaved_uses_v_times_the_sends():
+    p, m, v = 4, 8, 3
+    assert len(S.make("1f1b", p, m).sends) == 2 * m * (p - 1)
+    assert len(S.make("interleaved", p, m, v).sends) == 2 * m * (p * v - 1)
+
+
+@FAST
+@given(p=st.integers(1, 8), extra=st.integers(0, 24))
+def test_zb_h1_third_of_1f1b_bubble_same_memory(p, extra):
+    m = p + extra
+    zb, ref = S.make("zb-h1", p, m), S.make("1f1b", p, m, costs={"F": 1, "B": 2})
+    assert 3 * sum(zb.idle_time) == sum(ref.idle_time)  # (p-1)(F+B-W) vs (p-1)(F+B+W)
+    assert zb.total_time == 3 * m + p - 1
+    assert zb.peak_activations == ref.peak_activations
+    assert max(zb.peak_in_flight) == p
+    check_dependencies(zb)
+
+
+@FAST
+@given(p=st.integers(1, 8), extra=st.integers(0, 24))
+def test_zb_h2_no_bubble_back_to_back_2p_minus_1_live(p, extra):
+    m = 2 * p - 1 + extra
+    s = S.make("zb-h2", p, m)
+    assert s.steady_bubble_fraction == pytest.approx(0, abs=1e-12)
+    assert s.peak_activations[0] == 2 * p - 1
+    assert max(s.peak_in_flight) == 2 * p - 1
+    assert S.make("1f1b", p, m).steady_bubble_fraction > 0 or p == 1
+    check_dependencies(s)
+
+
+def test_zb_h2_with_few_microbatches_still_runs():
+    s = S.make("zb-h2", 4, 4)
+    check_dependencies(s)
+    assert 0 < s.steady_bubble_fraction < S.make("1f1b", 4, 4).steady_bubble_fraction
+
+
+@pytest.mark.parametrize("name", S.KNOWN)
+def test_every_generator_passes_an_independent_check(name):
+    for p, m in [(1, 1), (2, 4), (4, 8), (3, 9)]:
+        check_dependencies(S.make(name, p, m) if name != "interleaved" else S.make(name, p, p * 2, 2))
+
+
+def test_fast_enough():
+    t0 = time.perf_counter()
+    for name in S.KNOWN:
+        S.make(name, 8, 32, 4 if name == "interleaved" else None)
+    assert time.perf_counter() - t0 < 2.0
+
+
+# ---- the table's other readings -------------------------------------------------------
+
+
+def test_sends_go_to_the_next_and_previous_stage():
+    s = S.make("interleaved", 4, 8, 2)
+    for snd in s.sends:
+        k = s.stage_of(snd.src, snd.chunk)
+        assert s.stage_of(snd.dst, snd.dst_chunk) == (k + 1 if snd.kind == "F" else k - 1)
+        assert snd.src != snd.dst and snd.needed_at >= snd.tick
+        assert snd.tick == s.end(snd.kind, snd.microbatch, k)
+    assert S.make("1f1b", 1, 8).sends == []
+
+
+def test_occupancy_and_program_agree():
+    s = S.make("1f1b", 4, 8)
+    for d in range(4):
+        occ = s.occupancy(d)
+        assert len(occ) == s.total_time
+        for t, a in s.program(d):
+            assert occ[t:t + s.cost(a)] == [a] * s.cost(a)
+        assert sum(a is not None for a in occ) == s.busy_time[d] == 8 * 3
+
+
+def test_json_and_chrome_trace():
+    s = S.make("zb-h1", 4, 8)
+    d = json.loads(s.to_json())
+    assert d["bubble_fraction"] == s.bubble_fraction and d["peak_activations"] == [4, 3, 2, 1]
+    for dev, prog in enumerate(d["programs"]):
+        assert [(a["tick"], S.Action(a["kind"], a["microbatch"], a["chunk"])) for a in prog] == list(s.program(dev))
+    trace = json.loads(json.dumps(s.chrome_trace()))["traceEvents"]
+    assert sum(e["ph"] == "X" for e in trace) == 4 * 8 * 3
+    assert sum(e["ph"] in "sf" for e in trace) == 2 * len(s.sends)
+
+
+def test_interleaved_ascii_shows_chunks():
+    rows = S.make("interleaved", 2, 2, 2).ascii().splitlines()
+    assert rows[1].startswith("  device 0: ") and rows[2].startswith("  chunk   : ")
+    busy = [c != "." for c in rows[1][12:]]
+    assert [c != " " for c in rows[2][12:].ljust(len(busy))] == busy
+
+
+def test_w_renders_uppercase():
+    assert "A" in S.make("zb-h1", 2, 2).ascii().splitlines()[1]

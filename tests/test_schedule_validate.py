@@ -1,0 +1,155 @@
+"""Schedule.validate() on broken tables, and the bad-input errors of make() and the CLI."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxpar import cli
+from jaxpar.pipeline import schedule as S
+from jaxpar.pipeline.schedule import Action as A
+
+
+def table(p: int, m: int, placed, split: bool = False, chunks: int = 1) -> S.Schedule:
+    """A hand-written table: placed = [(tick, device, Action), ...]; F=1, B=2 (or 1 split)."""
+    costs = {"F": 1, "B": 1, "W": 1} if split else {"F": 1, "B": 2}
+    rows = [[None] * p for _ in range(max(t for t, _, _ in placed) + 1)]
+    for t, d, a in placed:
+        rows[t][d] = a
+    return S.Schedule("hand", p, m, chunks, costs, split, rows)
+
+
+def program_table(p, m, programs):
+    """Lay programs out back to back per device, ignoring dependencies."""
+    placed = []
+    for d, prog in enumerate(programs):
+        t = 0
+        for a in prog:
+            placed.append((t, d, a))
+            t += 1 if a.kind == "F" else 2
+    return table(p, m, placed)
+
+
+def error(s: S.Schedule) -> S.ScheduleError:
+    with pytest.raises(S.ScheduleError) as e:
+        s.validate()
+    return e.value
+
+
+def test_valid_hand_table():
+    s = table(2, 1, [(0, 0, A("F", 0)), (1, 1, A("F", 0)), (2, 1, A("B", 0)), (4, 0, A("B", 0))])
+    assert s.validate() is s and s.total_time == 6 and s.bubble_fraction == 0.5
+
+
+def test_two_devices_that_receive_before_sending_deadlock():
+    # device 0 waits for microbatch 0's gradient before sending microbatch 1 forward;
+    # device 1 wants microbatch 1's activation before sending that gradient back.
+    s = program_table(2, 2, [[A("F", 0), A("B", 0), A("F", 1), A("B", 1)],
+                             [A("F", 0), A("F", 1), A("B", 0), A("B", 1)]])
+    e = error(s)
+    msg = str(e)
+    assert "deadlock" in msg and "F1 on device 0" in msg and "B0 on device 1" in msg
+    assert (e.tick, e.device) in {(1, 0), (1, 1), (3, 0), (2, 1)}
+    marker = next(line for line in msg.splitlines() if "^" in line)
+    assert marker.index("^") == len("  stage 0: ") + e.tick
+
+
+def test_backward_before_its_forward():
+    e = error(table(1, 1, [(0, 0, A("B", 0)), (2, 0, A("F", 0))]))
+    assert "deadlock" in str(e) and e.device == 0 and e.tick == 0
+
+
+def test_missing_action():
+    e = error(table(2, 1, [(0, 0, A("F", 0)), (1, 1, A("F", 0)), (2, 1, A("B", 0))]))
+    assert "B0 of stage 0 is missing" in str(e) and e.device == 0 and e.tick is None
+    assert "^ missing here" in str(e)
+
+
+def test_duplicated_action():
+    e = error(table(2, 1, [(0, 0, A("F", 0)), (1, 0, A("F", 0)), (1, 1, A("F", 0)), (2, 1, A("B", 0)),
+                           (4, 0, A("B", 0))]))
+    assert "done twice" in str(e) and (e.tick, e.device) == (1, 0)
+
+
+def test_two_actions_overlap_on_one_device():
+    e = error(table(1, 2, [(0, 0, A("F", 0)), (1, 0, A("B", 0)), (2, 0, A("F", 1)), (3, 0, A("B", 1))]))
+    assert "starts while B0" in str(e) and (e.tick, e.device) == (2, 0)
+    assert "#" in str(e)
+
+
+def test_forward_before_previous_stage_finished():
+    e = error(table(2, 1, [(0, 0, A("F", 0)), (0, 1, A("F", 0)), (1, 1, A("B", 0)), (3, 0, A("B", 0))]))
+    assert "before its input F0 of stage 0" in str(e) and (e.tick, e.device) == (0, 1)
+
+
+def test_weight_gradient_before_its_backward():
+    e = error(table(1, 1, [(0, 0, A("F", 0)), (1, 0, A("W", 0)), (2, 0, A("B", 0))], split=True))
+    assert "deadlock" in str(e) or "before its input" in str(e)
+    assert e.device == 0
+
+
+def test_w_without_split_and_bad_indices():
+    assert "not an action" in str(error(table(1, 1, [(0, 0, A("F", 0)), (1, 0, A("B", 0)), (3, 0, A("W", 0))])))
+    assert "not an action" in str(error(table(1, 1, [(0, 0, A("F", 1))])))
+    assert "not an action" in str(error(table(1, 1, [(0, 0, A("F", 0, chunk=1))])))
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, fix", [
+    (("gpipe", 0, 4), "-p 1 or more"),
+    (("1f1b", 4, 0), "-m 1 or more"),
+    (("interleaved", 4, 6, 2), "nearest valid m: 4 or 8"),
+    (("interleaved", 4, 9, 2), "nearest valid m: 8"),
+    (("interleaved", 4, 2, 2), "nearest valid m: 4"),
+    (("interleaved", 4, 8, 1), "-v 2 or more"),
+    (("1f1b", 4, 8, 2), "interleaved only"),
+    (("zb-h1", 4, 3), "use -m 4 or more"),
+    (("zb-h2", 8, 7), "use -m 8 or more"),
+    (("dualpipe", 4, 8), "known: naive, gpipe, 1f1b, interleaved, zb-h1, zb-h2"),
+])
+def test_bad_input(args, fix):
+    with pytest.raises(ValueError, match=".*") as e:
+        S.make(*args)
+    assert fix in str(e.value)
+
+
+def test_bad_costs():
+    with pytest.raises(ValueError, match="W exists only with the split backward"):
+        S.make("1f1b", 4, 8, costs={"W": 1})
+    with pytest.raises(ValueError, match="whole ticks >= 1"):
+        S.make("gpipe", 4, 8, costs={"B": 0})
+
+
+# ---- the command ---------------------------------------------------------------------------
+
+
+def test_cli_timeline(capsys):
+    assert cli.main(["schedule", "1f1b", "-p", "4", "-m", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "bubble 27.3%" in out and "  stage 3: ...0aa1bb2cc3dd4ee5ff6gg7hh......" in out
+
+
+def test_cli_errors_without_traceback(capsys):
+    assert cli.main(["schedule", "interleaved", "-p", "4", "-m", "6"]) == 2
+    err = capsys.readouterr().err
+    assert "nearest valid m" in err and "Traceback" not in err
+    assert cli.main(["schedule", "nope"]) == 2
+    assert "known: naive" in capsys.readouterr().err
+    assert cli.main(["schedule", "gpipe", "--costs", "F1"]) == 2
+
+
+def test_cli_all_and_outputs(capsys, tmp_path):
+    assert cli.main(["schedule", "--all", "-p", "8", "-m", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "[64, 64, 64, 64, 64, 64, 64, 64]" in out and "[8, 7, 6, 5, 4, 3, 2, 1]" in out
+    png, trace = tmp_path / "t.png", tmp_path / "t.json"
+    assert cli.main(["schedule", "zb-h1", "--costs", "F=1,B=1,W=1", "--png", str(png), "--trace", str(trace)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG" and b"traceEvents" in trace.read_bytes()
+    assert cli.main(["schedule", "gpipe", "-p", "2", "-m", "2", "--json"]) == 0
+    assert '"total_time": 9' in capsys.readouterr().out
+
+
+def test_tour_rows_all_ok():
+    rows = S.tour_check()
+    assert len(rows) >= 7 and all(r.ok for r in rows), [r for r in rows if not r.ok]

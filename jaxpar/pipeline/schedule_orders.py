@@ -63,10 +63,11 @@ def zb_h1(p: int, m: int, v: int) -> list[list]:
 
 
 def zb_h2(p: int, m: int, v: int) -> list[list]:
-    """ZB-H2: stage s warms up with 2(p-s)-1 forwards (up to 2p-1 live activations on the
-    first stage) so no device waits for its first input gradient, and holds back 2s
-    weight gradients for the drain. Back-to-back steps then form a parallelogram with no
-    bubble (Qi et al. 2023, who also post-validate the optimizer step to keep it)."""
+    """ZB-H2: stage s runs 2(p-s)-1 forwards before its first backward (up to 2p-1 live
+    activations on the first stage), so no device waits for its first input gradient,
+    and holds back 2s weight gradients for the drain. With m >= 2p-1, back-to-back steps
+    form a parallelogram with no bubble (Qi et al. 2023, who post-validate the optimizer
+    step to keep it)."""
     return one_f_one_b(p, m, v, split=True, deferred=lambda d: 2 * d,
                        warmup=lambda d, p: 2 * (p - d - 1))
 

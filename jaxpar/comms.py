@@ -169,6 +169,8 @@ def collective_ops_from_hlo(hlo: str) -> list[CollectiveOp]:
                 per_branch = [walk(b, executions) for b in names]
                 ops += max(per_branch, key=lambda os_: sum(o.bytes * o.executions for o in os_), default=[])
                 continue
+            if instr.opcode in ("async-update", "async-done"):
+                continue  # they repeat their async-start's calls=: the op inside counts once
             for key, callee in _CALLS.findall(instr.rest):
                 if key in ("calls", "to_apply") and callee in comps:
                     ops += walk(callee, executions)

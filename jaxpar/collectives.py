@@ -1,0 +1,161 @@
+"""Named collective ops with their gradients: Megatron's f and g, and the sequence-parallel pair.
+
+Each op is a `jax.custom_vjp` whose forward and backward collectives are written out, so
+the code reads like the lecture's figures (section 3.2 and 4.4). Call them inside
+`jax.shard_map` over the tensor-parallel axis (`axis`, usually mesh.TP).
+
+    op                     forward                     backward                   Megatron name
+    copy_to_tp     (f)     identity                    all-reduce (psum)          copy_to_tensor_model_parallel_region
+    reduce_from_tp (g)     all-reduce (psum)           identity                   reduce_from_tensor_model_parallel_region
+    gather_from_sp         all-gather along T          reduce-scatter along T     gather_from_sequence_parallel_region
+    reduce_scatter_to_sp   reduce-scatter along T      all-gather along T         reduce_scatter_to_sequence_parallel_region
+
+Types under shard_map's `check_vma` (varying manual axes): a value *invariant* over tp is
+the same on every tp device (x before a column-parallel layer, a replicated norm gain); a
+*varying* one differs per device (a weight shard, a partial sum). f turns invariant into
+varying (`pcast(.., to="varying")`, a.k.a. pvary) and g varying into invariant (psum), so
+the ops carry the same types as JAX's own collectives and their transposes:
+
+    f == pvary              (JAX transposes pvary to psum)
+    g == psum               (JAX transposes psum to pvary)
+    gather_from_sp == all_gather(tiled)          (transposes to psum_scatter)
+    reduce_scatter_to_sp == psum_scatter(tiled)  (transposes to all_gather)
+
+tests/test_collectives.py checks each equality, values and gradients. Writing them by hand
+is the lesson (exercise 4: why the backward of f is an all-reduce); JAX would insert the
+same collectives implicitly.
+
+Paper: Shoeybi et al. 2019 (Megatron-LM, f and g); Korthikanti et al. 2022 (sequence
+parallelism, the all-gather / reduce-scatter pair).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+
+
+def _single(axis: str) -> bool:
+    # Over one device every op is the identity; XLA would keep a size-1 collective.
+    return jax.lax.axis_size(axis) == 1
+
+
+def _is_varying(x, axis: str) -> bool:
+    return axis in jax.typeof(x).manual_axis_type.varying
+
+
+def pvary(x, axis: str):
+    """Mark x as varying over `axis` (no data moves). A no-op if it already varies."""
+    return x if _is_varying(x, axis) else jax.lax.pcast(x, axis, to="varying")
+
+
+# --- f: identity forward, all-reduce backward ------------------------------------------
+
+def copy_to_tp(x, axis: str):
+    """Megatron's f. x[..]{invariant over tp} -> the same x, now varying over tp.
+
+    Forward: nothing moves. Backward: all-reduce (psum over `axis`) of the gradient, since
+    every tp device used x in its own column shard and dL/dx is the sum of their parts.
+    Applied to a replicated norm gain under sequence parallelism, this is the all-reduce
+    of the gain's gradient of lecture exercise 5c.
+    """
+    return x if _single(axis) else _f(x, axis)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _f(x, axis):
+    return pvary(x, axis)
+
+
+def _f_fwd(x, axis):
+    return pvary(x, axis), None
+
+
+def _f_bwd(axis, _, g):
+    return (jax.lax.psum(g, axis),)
+
+
+_f.defvjp(_f_fwd, _f_bwd)
+
+
+# --- g: all-reduce forward, identity backward ------------------------------------------
+
+def reduce_from_tp(x, axis: str):
+    """Megatron's g. x[..]{U_tp} (a partial sum per tp device) -> psum_tp(x), invariant.
+
+    Forward: all-reduce over `axis`. Backward: identity: every device's partial sum got
+    the same gradient (marked varying again, as psum's transpose does).
+    """
+    return x if _single(axis) else _g(x, axis)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _g(x, axis):
+    return jax.lax.psum(x, axis)
+
+
+def _g_fwd(x, axis):
+    return jax.lax.psum(x, axis), None
+
+
+def _g_bwd(axis, _, g):
+    return (pvary(g, axis),)
+
+
+_g.defvjp(_g_fwd, _g_bwd)
+
+
+# --- sequence parallel: all-gather forward, reduce-scatter backward ---------------------
+
+def gather_from_sp(x, axis: str, dim: int = 1):
+    """Enter the tensor-parallel region from the sequence-parallel one.
+
+    x[B, T_tp, D] -> x[B, T, D] (all-gather along `dim`, in tp-rank order).
+    Backward: reduce-scatter along `dim`: each device's gradient of the full sequence is a
+    partial sum (it used its own column shard), so sum them and keep this device's T/t rows.
+    """
+    return x if _single(axis) else _ag(x, axis, dim)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _ag(x, axis, dim):
+    return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+
+
+def _ag_fwd(x, axis, dim):
+    return jax.lax.all_gather(x, axis, axis=dim, tiled=True), None
+
+
+def _ag_bwd(axis, dim, _, g):
+    return (jax.lax.psum_scatter(pvary(g, axis), axis, scatter_dimension=dim, tiled=True),)
+
+
+_ag.defvjp(_ag_fwd, _ag_bwd)
+
+
+# --- sequence parallel: reduce-scatter forward, all-gather backward ---------------------
+
+def reduce_scatter_to_sp(x, axis: str, dim: int = 1):
+    """Leave the tensor-parallel region into the sequence-parallel one.
+
+    x[B, T, D]{U_tp} (partial sums) -> x[B, T_tp, D]: reduce-scatter along `dim`.
+    Backward: all-gather along `dim` (every partial sum fed every token's output).
+    """
+    return x if _single(axis) else _rs(x, axis, dim)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _rs(x, axis, dim):
+    return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+
+
+def _rs_fwd(x, axis, dim):
+    return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True), None
+
+
+def _rs_bwd(axis, dim, _, g):
+    return (jax.lax.all_gather(g, axis, axis=dim, tiled=True),)
+
+
+_rs.defvjp(_rs_fwd, _rs_bwd)

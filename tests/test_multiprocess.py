@@ -1,0 +1,78 @@
+"""2 processes x 4 CPU devices on loopback (jax.distributed + gloo) agree with 1 process x 8.
+
+The workers are tests/multiprocess_worker.py; this process (8 devices from conftest.py)
+computes the single-process answer.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import mesh
+
+sys.path.insert(0, str(Path(__file__).parent))
+from multiprocess_worker import global_input  # noqa: E402  (the input both sides use)
+
+WORKER = Path(__file__).with_name("multiprocess_worker.py")
+TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_workers() -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=TIMEOUT_S))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        logs = [p.communicate() for p in procs]
+        pytest.fail(f"workers did not finish in {TIMEOUT_S}s; stderr:\n" +
+                    "\n".join(f"--- worker {i}\n{err[-3000:]}" for i, (_, err) in enumerate(logs)))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"worker {i} exited {p.returncode}; stderr:\n{err[-3000:]}"
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+
+def test_two_processes_of_four_devices_psum_like_one_process_of_eight():
+    x_all = global_input()
+
+    # 1 process x 8 devices: the same psum here, and by hand.
+    assert jax.device_count() == 8
+    m = mesh.make_mesh(dp=8)
+    psum = jax.jit(jax.shard_map(lambda b: jax.lax.psum(b, "dp"), mesh=m, in_specs=P("dp"), out_specs=P()))
+    single = np.asarray(psum(x_all))
+    np.testing.assert_array_equal(single, x_all.sum(axis=0, keepdims=True))
+
+    results = sorted(_run_workers(), key=lambda r: r["process_id"])
+    assert [r["process_id"] for r in results] == [0, 1]
+    covered = []
+    for r in results:
+        assert (r["process_count"], r["devices"], r["local_devices"]) == (2, 8, 4)
+        assert len(r["local_rows"]) == 4
+        covered += r["local_rows"]
+        assert len(r["result"]) == 4  # one replica per local device
+        for block in r["result"]:
+            np.testing.assert_array_equal(np.asarray(block, np.float32), single)
+    assert sorted(covered) == list(range(8))  # each global device fed by exactly one process

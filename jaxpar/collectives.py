@@ -36,9 +36,11 @@ from functools import partial
 import jax
 
 
-def _single(axis: str) -> bool:
-    # Over one device every op is the identity; XLA would keep a size-1 collective.
-    return jax.lax.axis_size(axis) == 1
+def _single(x, axis: str) -> bool:
+    # Over one device, on a value not split over it, every op is the identity; skip it,
+    # since XLA keeps a collective over a group of one. (A value typed varying over a
+    # size-1 axis still goes through the op, which its type needs.)
+    return jax.lax.axis_size(axis) == 1 and not _is_varying(x, axis)
 
 
 def _is_varying(x, axis: str) -> bool:
@@ -60,7 +62,7 @@ def copy_to_tp(x, axis: str):
     Applied to a replicated norm gain under sequence parallelism, this is the all-reduce
     of the gain's gradient of lecture exercise 5c.
     """
-    return x if _single(axis) else _f(x, axis)
+    return x if _single(x, axis) else _f(x, axis)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -87,7 +89,7 @@ def reduce_from_tp(x, axis: str):
     Forward: all-reduce over `axis`. Backward: identity: every device's partial sum got
     the same gradient (marked varying again, as psum's transpose does).
     """
-    return x if _single(axis) else _g(x, axis)
+    return x if _single(x, axis) else _g(x, axis)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -115,7 +117,7 @@ def gather_from_sp(x, axis: str, dim: int = 1):
     Backward: reduce-scatter along `dim`: each device's gradient of the full sequence is a
     partial sum (it used its own column shard), so sum them and keep this device's T/t rows.
     """
-    return x if _single(axis) else _ag(x, axis, dim)
+    return x if _single(x, axis) else _ag(x, axis, dim)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -142,7 +144,7 @@ def reduce_scatter_to_sp(x, axis: str, dim: int = 1):
     x[B, T, D]{U_tp} (partial sums) -> x[B, T_tp, D]: reduce-scatter along `dim`.
     Backward: all-gather along `dim` (every partial sum fed every token's output).
     """
-    return x if _single(axis) else _rs(x, axis, dim)
+    return x if _single(x, axis) else _rs(x, axis, dim)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Literal
 
 import jax
@@ -64,35 +65,41 @@ def init_params(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32) -> dict:
     return _init_params(key, cfg, jnp.dtype(dtype))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))  # one compile instead of ~40 eager ops
+# One jit and one random draw for the whole model: a separate jax.random call per weight
+# compiles a separate threefry kernel per shape, which costs seconds on CPU.
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def _init_params(key: jax.Array, cfg: ModelConfig, dtype) -> dict:
     D, F, N, K, H, L, V, E = (cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads,
                               cfg.head_dim, cfg.n_layers, cfg.vocab, cfg.n_experts)
-    keys = iter(jax.random.split(key, 16))
-
-    def normal(shape, fan_in):
-        return (jax.random.normal(next(keys), shape, jnp.float32) / jnp.sqrt(fan_in)).astype(dtype)
-
-    blocks = {
-        "attn_norm": jnp.ones((L, D), dtype),
-        "wq": normal((L, D, N, H), D),
-        "wk": normal((L, D, K, H), D),
-        "wv": normal((L, D, K, H), D),
-        "wo": normal((L, N, H, D), N * H),
-        "mlp_norm": jnp.ones((L, D), dtype),
-    }
     expert = (E,) if E else ()
-    blocks["w_up"] = normal((L, *expert, D, F), D)
+    weights = {  # name -> (shape, fan_in)
+        "embed": ((V, D), 1),
+        "unembed": ((D, V), D),
+        "wq": ((L, D, N, H), D),
+        "wk": ((L, D, K, H), D),
+        "wv": ((L, D, K, H), D),
+        "wo": ((L, N, H, D), N * H),
+        "w_up": ((L, *expert, D, F), D),
+        "w_down": ((L, *expert, F, D), F),
+    }
     if cfg.mlp == "swiglu":
-        blocks["w_gate"] = normal((L, *expert, D, F), D)
-    blocks["w_down"] = normal((L, *expert, F, D), F)
+        weights["w_gate"] = ((L, *expert, D, F), D)
     if E:
-        blocks["router"] = normal((L, D, E), D)
+        weights["router"] = ((L, D, E), D)
+    sizes = [math.prod(shape) for shape, _ in weights.values()]
+    flat = jax.random.normal(key, (sum(sizes),), jnp.float32)
+    drawn, offset = {}, 0
+    for (name, (shape, fan_in)), size in zip(weights.items(), sizes):
+        drawn[name] = (flat[offset:offset + size].reshape(shape) / math.sqrt(fan_in)).astype(dtype)
+        offset += size
+    blocks = {name: drawn[name] for name in weights if name not in ("embed", "unembed")}
+    blocks["attn_norm"] = jnp.ones((L, D), dtype)
+    blocks["mlp_norm"] = jnp.ones((L, D), dtype)
     return {
-        "embed": normal((V, D), 1.0),
+        "embed": drawn["embed"],
         "blocks": blocks,
         "final_norm": jnp.ones((D,), dtype),
-        "unembed": normal((D, V), D),
+        "unembed": drawn["unembed"],
     }
 
 

@@ -62,10 +62,12 @@ def _load(target: str) -> Callable[[], Row | Iterable[Row]] | None:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        if e.name and module_name.startswith(e.name):  # the technique itself is not built yet
+        if e.name == module_name or module_name.startswith(f"{e.name}."):  # not built yet
             return None
-        raise
-    return getattr(module, func_name, None)
+        raise  # the technique exists but one of its imports is missing: a real error
+    if not hasattr(module, func_name):
+        raise AttributeError(f"{module_name} exists but has no tour check {func_name}() (registered in tour.CHECKS)")
+    return getattr(module, func_name)
 
 
 def available() -> dict[str, Callable[[], Row | Iterable[Row]]]:
@@ -81,13 +83,13 @@ def available() -> dict[str, Callable[[], Row | Iterable[Row]]]:
 def run_checks(names: Iterable[str] | None = None) -> list[Row]:
     """Run the named checks (all available ones by default) and collect their rows."""
     checks = available()
-    if names is None:
-        names = list(checks)
+    names = list(checks) if names is None else list(names)
+    unknown = [n for n in names if n not in checks]
+    if unknown:  # refuse before running anything
+        raise ValueError(f"unknown or not yet built check(s) {', '.join(map(repr, unknown))}; "
+                         f"available: {', '.join(checks) or 'none'}")
     rows: list[Row] = []
     for name in names:
-        if name not in checks:
-            known = ", ".join(checks) or "none"
-            raise ValueError(f"unknown or not yet built check {name!r}; available: {known}")
         start = time.perf_counter()
         out = checks[name]()
         out = [out] if isinstance(out, Row) else list(out)

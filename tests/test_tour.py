@@ -101,8 +101,6 @@ def test_run_checks_unknown_name_lists_the_available_ones(fake_checks):
     assert "available: one, two" in str(e.value)
 
 
-@pytest.mark.xfail(strict=True, reason="run_checks validates names one by one, after running the "
-                                       "checks before the bad one (DESIGN.md principle 7: error before compute)")
 def test_run_checks_rejects_a_bad_name_before_running_anything(fake_checks):
     with pytest.raises(ValueError):
         tour.run_checks(["one", "later"])
@@ -113,3 +111,9 @@ def test_registry_targets_are_module_colon_function():
     for name, target in tour.CHECKS.items():
         module, _, func = target.partition(":")
         assert module.startswith("jaxpar.") and func.isidentifier(), name
+
+
+def test_available_reports_a_missing_check_function(monkeypatch):
+    monkeypatch.setattr(tour, "CHECKS", {"comms": "jaxpar.comms:no_such_check"})
+    with pytest.raises(AttributeError, match="no_such_check"):
+        tour.available()

@@ -1,0 +1,105 @@
+"""Megatron tensor parallelism and sequence parallelism (lecture sections 3 and 4.4).
+
+    python examples/03_tensor_parallel.py
+
+Runs on 8 fake CPU devices unless XLA_FLAGS sets another count. Mirrors the lecture's
+03_tensor_parallel.py, lecture figures beside jaxpar's:
+  demo 1  the attention + MLP block with residuals, 4-way TP (dp=2 x tp=4): output,
+          input gradient and every parameter shard's gradient vs the unsharded block;
+  demo 2  the counterexample: A split by rows, GeLU applied to partial sums;
+  demo 3  the sequence-parallel MLP sublayer (RMSNorm -> all-gather -> column -> row ->
+          reduce-scatter -> residual), with the norm gain's gradient all-reduced;
+then the collectives of the compiled programs vs 2*s*d elements each way, and the
+per-device ring traffic 8*b*s*h*(t-1)/t per layer.
+"""
+
+from jaxpar import mesh
+
+n = mesh.use_cpu_devices(8)
+
+from functools import partial  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jaxpar import comms, reference, tensor  # noqa: E402
+from jaxpar.collectives import copy_to_tp  # noqa: E402
+from jaxpar.tensor_checks import run_block  # noqa: E402
+from jaxpar.testing import max_abs_diff  # noqa: E402
+
+
+def demo_block(m, cfg, B, T, sp):
+    run = run_block(cfg, m, sequence_parallel=sp, batch=B, seq=T)
+    y, (grads, dx) = run.out
+    y_ref, (g_ref, dx_ref) = run.ref
+    print(f"  output      max diff {max_abs_diff(y, y_ref):.1e}")
+    print(f"  input grad  max diff {max_abs_diff(dx, dx_ref):.1e}")
+    worst = max(grads, key=lambda k: max_abs_diff(grads[k], g_ref[k]))
+    print(f"  param grads max diff {max_abs_diff(grads, g_ref):.1e} (worst: {worst}; "
+          f"lecture: about 1e-6)")
+    return run
+
+
+def sp_mlp_sublayer(p, x, *, cfg):
+    """Demo 3's sublayer on one shard: x[B, T/t, D] -> x + MLP(RMSNorm(x)), T/t tokens out."""
+    gain = copy_to_tp(p["mlp_norm"], mesh.TP)        # replicated gain, gradient all-reduced
+    z = reference.rms_norm(x, gain, cfg.norm_eps)    # [B, T/t, D]: norm on this device's tokens
+    return x + tensor.mlp_shard(p, z, cfg=cfg, axis=mesh.TP, sequence_parallel=True)
+
+
+def main():
+    tp = 4 if n % 4 == 0 else (2 if n % 2 == 0 else 1)
+    m = mesh.make_mesh(dp=n // tp, tp=tp)
+    cfg = reference.ModelConfig(n_layers=1, n_heads=8, n_kv_heads=8, d_model=64, head_dim=8, d_ff=256)
+    B, T = 2 * (n // tp), 16
+    print(f"{n} devices, mesh {mesh.describe(m)}; block D={cfg.d_model} N={cfg.n_heads} F={cfg.d_ff}, "
+          f"B={B} T={T}\n")
+
+    print(f"Demo 1: Transformer block (attention + MLP, residuals), {tp}-way tensor parallel")
+    tp_run = demo_block(m, cfg, B, T, sp=False)
+
+    print("\nDemo 2: counterexample - split A by rows, GeLU of the partial sums")
+    err = tensor.row_split_gelu_error(mesh=m)
+    print(f"  max |sum_i GeLU(X_i A_i) - GeLU(XA)| = {err:.2f}   (lecture: 0.82 for its setup)")
+    print("  GeLU(a + b) != GeLU(a) + GeLU(b): row-splitting A needs an all-reduce before GeLU")
+
+    print("\nDemo 3: sequence-parallel MLP sublayer (RMSNorm -> AG -> column -> row -> RS -> residual)")
+    p = reference.layer_params(reference.init_params(jax.random.PRNGKey(0), cfg), 0)
+    mlp_p = {k: p[k] for k in ("mlp_norm", "w_up", "w_down")}
+    x = jax.random.normal(jax.random.PRNGKey(1), (B, T, cfg.d_model))
+    dy = jax.random.normal(jax.random.PRNGKey(2), (B, T, cfg.d_model)) / (B * T)
+    act = P(mesh.DP if n // tp > 1 else None, mesh.TP, None)
+    sub = jax.jit(jax.shard_map(partial(sp_mlp_sublayer, cfg=cfg), mesh=m,
+                                in_specs=({"mlp_norm": P(), "w_up": P(None, mesh.TP), "w_down": P(mesh.TP, None)}, act),
+                                out_specs=act))
+    ref = lambda p, x: x + reference.mlp(p, reference.rms_norm(x, p["mlp_norm"], cfg.norm_eps))
+    y, vjp = jax.vjp(sub, mlp_p, x)
+    y_ref, vjp_ref = jax.vjp(ref, mlp_p, x)
+    (g, dx), (g_ref, dx_ref) = vjp(dy), vjp_ref(dy)
+    print(f"  output {max_abs_diff(y, y_ref):.1e}, input grad {max_abs_diff(dx, dx_ref):.1e}, "
+          f"MLP grads {max_abs_diff({k: g[k] for k in ('w_up', 'w_down')}, {k: g_ref[k] for k in ('w_up', 'w_down')}):.1e}, "
+          f"norm gain grad {max_abs_diff(g['mlp_norm'], g_ref['mlp_norm']):.1e} (all-reduced over tp)")
+
+    print("\nCollectives of the compiled block (b = B/dp = local batch, s = T, h = D):")
+    b = B // (n // tp)
+    act_elems = b * T * cfg.d_model
+    sp_run = run_block(cfg, m, sequence_parallel=True, batch=B, seq=T)
+    for name, run in (("TP", tp_run), ("SP", sp_run)):
+        for part, got, want in (("forward", run.forward, run.formula_forward),
+                                ("backward", run.backward, run.formula_backward)):
+            cells = ", ".join(f"{c} {comms.SHORT[k]} = {bts // 4} elements" for k, (c, bts) in got.items()) or "none"
+            print(f"  {name} {part:8s}: {cells}  {'= formula' if got == want else '!= formula'}")
+    print(f"  lecture: 2 all-reduces of s*d each way; here 2*b*s*h = {2 * act_elems} elements each way "
+          f"(backward also all-reduces the {tensor.block_param_bytes(cfg, jnp.float32, tp) // 4} "
+          "param-gradient elements over dp; SP adds the 2*h gains')")
+    ring = tensor.ring_bytes_per_device(cfg, b, T, jnp.float32, tp)
+    print(f"\nPer-device ring traffic per layer, 8*b*s*h*(t-1)/t = {ring / 4:.0f} elements "
+          f"({comms.human_bytes(ring)} f32)")
+    dp_bytes = tensor.block_param_bytes(cfg, jnp.float32, tp) if n // tp > 1 else 0
+    tp_ar = tp_run.forward["all-reduce"][1] + tp_run.backward["all-reduce"][1] - dp_bytes
+    print(f"  measured: TP all-reduce bytes (fwd + bwd, dp gradients left out) x 2(t-1)/t = "
+          f"{tp_ar * 2 * (tp - 1) / tp / 4:.0f} elements")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Tensor / sequence parallel block: memory per device, collective bytes, and speed vs XLA's
+automatic partitioner.
+
+    python -m benchmarks.tensor          (or python -m benchmarks.run tensor)
+
+Rows, all from compiled programs on the devices there are (8 fake CPU devices by default):
+  params     parameter bytes per device of the block vs t (memory_analysis argument size
+             minus the input x), next to block_param_bytes: 1/t of the block but the norms;
+  residuals  bytes the forward keeps for the backward, per device (memory_analysis output
+             size of jit(jax.vjp(...)) minus y), TP vs SP: SP stores the token-wise
+             activations (x, norms, residual stream) for T/t tokens, but autodiff also
+             keeps each column layer's gathered input [B, T, D] (Megatron re-gathers it in
+             the backward instead), and attention's own residuals are 1/t in both, so the
+             ratio is above 1/t;
+  peer       the same block written as plain jnp under jit, weights placed with the same
+             NamedShardings and activations annotated (with_sharding_constraint), the way
+             MaxText does TP: collective bytes and fwd+bwd time vs jaxpar's explicit
+             shard_map version (median of REPEATS after warm-up), dp x tp with tp=4.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import comms, mesh, reference, tensor
+
+REPEATS = 15
+CFG = reference.ModelConfig(n_layers=1, d_model=256, n_heads=8, n_kv_heads=8, head_dim=32, d_ff=768)
+# d_ff/t never equals d_model, so the [b, T, D] residuals can be told apart by shape.
+B, T = 8, 128
+
+
+def _inputs(cfg=CFG):
+    p = reference.layer_params(reference.init_params(jax.random.PRNGKey(0), cfg), 0)
+    x = jax.random.normal(jax.random.PRNGKey(1), (B, T, cfg.d_model))
+    return p, x
+
+
+def _mesh(tp):
+    n = len(jax.devices())
+    return mesh.make_mesh(dp=n // tp, tp=tp)
+
+
+def _step(fwd):
+    """One fwd+bwd of the block: y and all gradients for a cotangent dy."""
+    def step(p, x, dy):
+        y, vjp = jax.vjp(fwd, p, x)
+        return y, vjp(dy)
+    return jax.jit(step)
+
+
+def _time_pair(f, g, *args) -> tuple[float, float]:
+    """Median seconds of f(*args) and g(*args), alternated so that load hits both alike."""
+    jax.block_until_ready((f(*args), g(*args)))
+    tf, tg = [], []
+    for _ in range(REPEATS):
+        for fn, times in ((f, tf), (g, tg)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - t0)
+    return statistics.median(tf), statistics.median(tg)
+
+
+def _residuals(m, p, x, sp, dp, t) -> dict:
+    """Bytes per device the forward keeps for the backward (memory_analysis of the compiled
+    jit(jax.vjp): its outputs are the residuals), and the token-wise ones among them:
+    per-device shape [b, T_local, D] or [b, T_local, 1] (norm inputs/outputs, residual
+    stream, rms statistics). 'split' = T/t tokens, 'whole' = all T tokens."""
+    f = lambda p, x: tensor.tp_block(p, x, mesh=m, cfg=CFG, sequence_parallel=sp)
+    vjp_fn = jax.jit(lambda p, x: jax.vjp(f, p, x)[1])
+    compiled = vjp_fn.lower(p, x).compile()
+    leaves = jax.tree.leaves(jax.eval_shape(lambda p, x: jax.vjp(f, p, x)[1], p, x))
+    out = {"residual_bytes": compiled.memory_analysis().output_size_in_bytes,
+           "tokenwise_split": 0, "tokenwise_whole": 0}
+    b = B // dp
+    for leaf, sharding in zip(leaves, jax.tree.leaves(compiled.output_shardings)):
+        shape = sharding.shard_shape(leaf.shape)
+        if len(shape) == 3 and shape[0] == b and shape[2] in (CFG.d_model, 1):
+            key = "tokenwise_whole" if shape[1] == T else "tokenwise_split"
+            out[key] += leaf.dtype.itemsize * shape[0] * shape[1] * shape[2]
+    return out
+
+
+def peer_block(p, x, *, m, cfg=CFG):
+    """reference.block with NamedSharding annotations: XLA's SPMD partitioner inserts the
+    collectives. Params arrive placed by TPSpecs.megatron; activations are constrained."""
+    dp = mesh.DP if m.shape.get(mesh.DP, 1) > 1 else None
+    c = lambda a, *spec: jax.lax.with_sharding_constraint(a, NamedSharding(m, P(*spec)))
+    x = c(x, dp, None, None)
+    z = reference.rms_norm(x, p["attn_norm"], cfg.norm_eps)
+    q = c(jnp.einsum("btd,dnh->btnh", z, p["wq"]), dp, None, mesh.TP, None)
+    k = c(jnp.einsum("btd,dkh->btkh", z, p["wk"]), dp, None, mesh.TP, None)
+    v = c(jnp.einsum("btd,dkh->btkh", z, p["wv"]), dp, None, mesh.TP, None)
+    o = c(reference.attention(q, k, v, causal=cfg.causal), dp, None, mesh.TP, None)
+    h = c(x + jnp.einsum("btnh,nhd->btd", o, p["wo"]), dp, None, None)
+    z = reference.rms_norm(h, p["mlp_norm"], cfg.norm_eps)
+    hidden = c(jax.nn.gelu(z @ p["w_up"], approximate=False), dp, None, mesh.TP)
+    return c(h + hidden @ p["w_down"], dp, None, None)
+
+
+def run() -> list[dict]:
+    n = len(jax.devices())
+    rows = []
+    p, x = _inputs()
+    x_bytes = x.nbytes
+    for t in (t for t in (1, 2, 4, 8) if n % t == 0):
+        m = _mesh(t)
+        dp = n // t
+        fwd = jax.jit(lambda p, x: tensor.tp_block(p, x, mesh=m, cfg=CFG))
+        mem = fwd.lower(p, x).compile().memory_analysis()
+        measured = mem.argument_size_in_bytes - x_bytes // dp
+        rows.append({"figure": "params/device", "t": t, "sp": False, "bytes": measured,
+                     "formula": tensor.block_param_bytes(CFG, jnp.float32, t),
+                     "ratio_to_t1": measured / tensor.block_param_bytes(CFG, jnp.float32, 1)})
+    for t in (t for t in (2, 4, 8) if n % t == 0):
+        m = _mesh(t)
+        dp = n // t
+        res = {}
+        for sp in (False, True):
+            res[sp] = _residuals(m, p, x, sp, dp, t)
+        for sp in (False, True):
+            rows.append({"figure": "residuals/device", "t": t, "sp": sp, **res[sp],
+                         # the token-wise arrays SP splits, vs the same arrays under TP (TP's
+                         # whole ones minus the gathered column inputs SP keeps whole too)
+                         "split_ratio_to_tp": res[sp]["tokenwise_split"]
+                         / (res[False]["tokenwise_whole"] - res[True]["tokenwise_whole"]) if sp else None})
+    t = 4 if n % 4 == 0 else 2
+    m = _mesh(t)
+    specs = tensor.TPSpecs.megatron(n_kv_heads=CFG.n_kv_heads, tp=t,
+                                    data_axis=mesh.DP if n // t > 1 else None)
+    placed = {k: jax.device_put(a, NamedSharding(m, specs.params(p)[k])) for k, a in p.items()}
+    xs = jax.device_put(x, NamedSharding(m, specs.act_btd))
+    dy = jax.device_put(jnp.ones_like(x) / (B * T), NamedSharding(m, specs.act_btd))
+    ours = _step(lambda p, x: tensor.tp_block(p, x, mesh=m, cfg=CFG))
+    peer = _step(lambda p, x: peer_block(p, x, m=m))
+    err = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+              zip(jax.tree.leaves(ours(placed, xs, dy)), jax.tree.leaves(peer(placed, xs, dy))))
+    s_ours = comms.collective_stats(ours, placed, xs, dy)
+    s_peer = comms.collective_stats(peer, placed, xs, dy)
+    t_ours, t_peer = _time_pair(ours, peer, placed, xs, dy)
+    f_ours, f_peer = _time_pair(jax.jit(lambda p, x: tensor.tp_block(p, x, mesh=m, cfg=CFG)),
+                                jax.jit(lambda p, x: peer_block(p, x, m=m)), placed, xs)
+    rows.append({"figure": "fwd only, jaxpar/peer", "t": t, "sp": False, "ms": 1e3 * f_ours,
+                 "ratio_to_peer": f_ours / f_peer})
+    for name, s, secs in (("jaxpar shard_map", s_ours, t_ours), ("jit+NamedSharding peer", s_peer, t_peer)):
+        rows.append({"figure": f"fwd+bwd {name}", "t": t, "sp": False, "collectives": comms.format_stats(s),
+                     "bytes": sum(v["bytes"] for v in s.values()), "ms": 1e3 * secs,
+                     "ratio_to_peer": secs / t_peer, "max_diff_vs_peer": err})
+    return rows
+
+
+def main():
+    from benchmarks.run import format_rows
+    print(format_rows(run()))
+
+
+if __name__ == "__main__":
+    mesh.use_cpu_devices(8)
+    main()

@@ -14,11 +14,13 @@ Tensor parallel (TP), x[B, T, D] replicated over tp:
 Sequence parallel (SP), x[B, T_tp, D]: norms and residuals run on T/t tokens; f becomes an
 all-gather along T and g a reduce-scatter along T (the same bytes: AG + RS = one AR), and
 the replicated norm gains go through f so their gradients are all-reduced over tp
-(exercise 5c). Autodiff keeps the gathered input of each column-parallel layer for the
-weight gradient, as TP keeps its replicated input; Megatron instead re-gathers it in the
-backward (Korthikanti et al. 2022, sec. 4.2.2). We do not: on CPU, XLA removes the
-optimization barrier of a jax.checkpoint'ed re-gather and CSEs it with the forward one
-(measured: the program is identical), so the option would be a no-op there.
+(exercise 5c). The token-wise activations kept for the backward (norm inputs/outputs,
+residual stream) are then 1/t of TP's (benchmarks/tensor.py measures it). Autodiff still
+keeps the gathered input of each column-parallel layer for the weight gradient, whole;
+Megatron re-gathers it in the backward instead (Korthikanti et al. 2022, sec. 4.2.2). We
+do not: on CPU, XLA CSEs a re-gather (jax.checkpoint, or an optimization barrier in a
+custom_vjp) with the forward all-gather (measured: the same program), so it would be a
+no-op there.
 
 Per device and layer, a ring all-reduce of b*s*h elements sends 2(t-1)/t of them, so TP
 sends 4 * 2(t-1)/t * b*s*h = 8*b*s*h*(t-1)/t elements per layer (forward + backward);

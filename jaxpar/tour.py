@@ -44,7 +44,7 @@ class Row:
 CHECKS: dict[str, str] = {
     "reference": "jaxpar.reference:tour_check",
     "comms": "jaxpar.comms:tour_check",
-    "schedule": "jaxpar.pipeline.schedule:tour_check",
+    "schedule": "jaxpar.pipeline.schedule_lecture:tour_check",
     "pp": "jaxpar.pipeline.runtime:tour_check",
     "tp": "jaxpar.tensor:tour_check_tp",
     "sp": "jaxpar.tensor:tour_check_sp",

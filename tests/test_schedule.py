@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxpar.pipeline import schedule as S
+from jaxpar.pipeline.schedule_lecture import LECTURE_TIMELINES
 
 SEED = pathlib.Path("/work/shared/seed/000_c4f408be80accaec.txt")
 FAST = settings(max_examples=40, deadline=None)
@@ -53,9 +54,9 @@ def check_dependencies(s: S.Schedule) -> None:
 # ---- the lecture's figures ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", list(S.LECTURE_TIMELINES))
+@pytest.mark.parametrize("name", list(LECTURE_TIMELINES))
 def test_lecture_timelines_character_for_character(name):
-    fig = S.LECTURE_TIMELINES[name]
+    fig = LECTURE_TIMELINES[name]
     s = S.make(name, stages=4, microbatches=fig["microbatches"])
     text = s.ascii()
     for d, row in enumerate(fig["rows"]):
@@ -70,7 +71,7 @@ def test_lecture_timelines_character_for_character(name):
 @pytest.mark.skipif(not SEED.exists(), reason="lecture text not in this checkout")
 def test_lecture_rows_are_the_lectures():
     text = SEED.read_text()
-    for fig in S.LECTURE_TIMELINES.values():
+    for fig in LECTURE_TIMELINES.values():
         for d, row in enumerate(fig["rows"]):
             assert f"阶段 {d}：{row}" in text
 

@@ -12,6 +12,7 @@ import argparse
 import pathlib
 
 from jaxpar.pipeline import schedule
+from jaxpar.pipeline.schedule_lecture import LECTURE_TIMELINES
 from jaxpar.pipeline.schedule_viz import percent
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -27,7 +28,7 @@ def show(s: schedule.Schedule) -> None:
 
 # 2.1-2.3: the lecture's three timelines, p = 4, F = 1, B = 2 (one character per tick).
 print("== Lecture 2.1-2.3: naive, GPipe, 1F1B (p=4) ==\n")
-for name, fig in schedule.LECTURE_TIMELINES.items():
+for name, fig in LECTURE_TIMELINES.items():
     s = schedule.make(name, stages=4, microbatches=fig["microbatches"])
     show(s)
     same = s.ascii().splitlines()[1:] == [f"  stage {d}: {r}" for d, r in enumerate(fig["rows"])]

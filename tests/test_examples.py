@@ -1,0 +1,36 @@
+"""Every example runs to the end in a fresh process and prints the figures it promises.
+
+The examples are the documentation people run first; this keeps them from rotting.
+Each runs as a user would (`python examples/NN_*.py`), with its own fake CPU devices.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+# example -> lines (substrings) its output must contain
+EXPECTED = {
+    "00_foundations.py": ["8 cpu devices", "= parameter bytes 70272: True"],
+    "01_pipeline_schedules.py": ["27.3%", "[4, 3, 2, 1]"],
+    "03_tensor_parallel.py": ["= formula", "lecture: 0.82"],
+    "09_multihost.py": ["all processes agree with the reference"],
+}
+
+
+def test_every_example_is_listed():
+    assert sorted(p.name for p in EXAMPLES.glob("[0-9][0-9]_*.py")) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_example_runs(name):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for expected in EXPECTED[name]:
+        assert expected in proc.stdout, f"{name} did not print {expected!r}:\n{proc.stdout[-3000:]}"

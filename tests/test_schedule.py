@@ -34,7 +34,8 @@ def check_dependencies(s: S.Schedule) -> None:
         for t, a in s.program(d):
             assert t >= prev_end, f"device {d} overlaps at tick {t}"
             prev_end = t + s.costs[a.kind]
-            key = (a.kind, a.microbatch, a.chunk * s.stages + d)
+            v_stage = d if a.chunk == 0 else 2 * s.stages - 1 - d  # down the devices, then up
+            key = (a.kind, a.microbatch, v_stage if s.name == "dualpipe-v" else a.chunk * s.stages + d)
             assert key not in start
             start[key], end[key] = t, prev_end
     n = s.stages * s.chunks

@@ -69,7 +69,11 @@ class ScheduleError(ValueError):
 # F=1, B=2 is the lecture's time model; split backward halves B into B (input) and W (weights).
 DEFAULT_COSTS = {"F": 1, "B": 2}
 DEFAULT_SPLIT_COSTS = {"F": 1, "B": 1, "W": 1}
-KNOWN = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
+KNOWN = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "dualpipe-v")
+SPLIT = ("zb-h1", "zb-h2", "dualpipe-v")  # the schedules whose backward is split into B and W
+# Where chunk c of device d sits in the model: "interleaved" (Megatron) stage c*p + d;
+# "v" (ZB-V, DualPipeV; chunks=2) stage d going down the devices, 2p-1-d coming back up.
+LAYOUTS = ("interleaved", "v")
 
 Key = tuple[str, int, int]  # (kind, microbatch, stage): one action, wherever it runs
 
@@ -77,9 +81,10 @@ Key = tuple[str, int, int]  # (kind, microbatch, stage): one action, wherever it
 @dataclasses.dataclass(frozen=True, eq=False)
 class Schedule:
     """A pipeline schedule: p = `stages` devices, m = `microbatches`, v = `chunks` per
-    device (virtual stage of (device, chunk) = chunk*p + device, Megatron's mapping),
-    per-kind `costs` in ticks, `split_backward` (B is input-gradient only, W the weight
-    gradient), and `actions[tick][device]` = the Action starting there, or None."""
+    device, per-kind `costs` in ticks, `split_backward` (B is input-gradient only, W the
+    weight gradient), `actions[tick][device]` = the Action starting there, or None, and
+    the `layout` of the chunks over the model (`stage_of`; one of LAYOUTS). Every reader
+    of the table, the runtime included, maps (device, chunk) to a stage through it."""
 
     name: str
     stages: int
@@ -88,17 +93,30 @@ class Schedule:
     costs: Mapping[str, int]
     split_backward: bool
     actions: Sequence[Sequence[Action | None]]
+    layout: str = "interleaved"
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r}: one of {', '.join(LAYOUTS)}")
+        if self.layout == "v" and self.chunks != 2:
+            raise ValueError(f"layout 'v' has 2 chunks per device (down and back up), not {self.chunks}")
 
     @property
     def virtual_stages(self) -> int:
         return self.stages * self.chunks
 
     def stage_of(self, device: int, chunk: int) -> int:
-        """The model stage that `chunk` of `device` holds (Megatron's interleaved mapping)."""
+        """The model stage that `chunk` of `device` holds: chunk*p + device (interleaved,
+        Megatron's mapping), or device for chunk 0 and 2p-1-device for chunk 1 (v: device 0
+        holds the first and the last stage, device p-1 the two around the turn)."""
+        if self.layout == "v":
+            return device if chunk == 0 else 2 * self.stages - 1 - device
         return chunk * self.stages + device
 
     def device_of(self, stage: int) -> tuple[int, int]:
         """(device, chunk) holding model `stage`; inverse of `stage_of`."""
+        if self.layout == "v":
+            return (stage, 0) if stage < self.stages else (2 * self.stages - 1 - stage, 1)
         return stage % self.stages, stage // self.stages
 
     def cost(self, action: Action) -> int:
@@ -211,7 +229,8 @@ class Schedule:
 
     @functools.cached_property
     def sends(self) -> list[Send]:
-        """Every activation (F) and input gradient (B) that crosses devices, by tick."""
+        """Every activation (F) and input gradient (B) that crosses devices, by tick; a
+        hand-over between two chunks of one device (the turn of the v layout) is none."""
         out = []
         for d, prog in enumerate(self._programs):
             for t, a in prog:
@@ -235,7 +254,8 @@ class Schedule:
     def to_dict(self) -> dict:
         return {
             "name": self.name, "stages": self.stages, "microbatches": self.microbatches,
-            "chunks": self.chunks, "costs": dict(self.costs), "split_backward": self.split_backward,
+            "chunks": self.chunks, "layout": self.layout, "costs": dict(self.costs),
+            "split_backward": self.split_backward,
             "total_time": self.total_time, "bubble_fraction": self.bubble_fraction,
             "steady_bubble_fraction": self.steady_bubble_fraction,
             "peak_activations": self.peak_activations, "peak_in_flight": self.peak_in_flight,
@@ -346,9 +366,9 @@ def make(name: str, stages: int, microbatches: int, chunks: int | None = None,
     """Build, simulate and validate a named schedule (one of KNOWN).
 
     chunks: model chunks per device, interleaved only (default 2 there, 1 elsewhere).
-    costs: ticks per kind, overriding F=1, B=2 (F=B=W=1 for the zero-bubble schedules).
-    Bad input (p or m < 1, interleaved m not a multiple of p, zero-bubble m < p, an
-    unknown name, a bad cost) raises ValueError saying how to fix it."""
+    costs: ticks per kind, overriding F=1, B=2 (F=B=W=1 for the split ones, SPLIT).
+    Bad input (p or m < 1, interleaved m not a multiple of p, zero-bubble m < p,
+    dualpipe-v m < 2p-1, an unknown name, a bad cost) raises ValueError saying how to fix it."""
     from jaxpar.pipeline import schedule_orders  # it imports Action and Schedule from here
 
     return schedule_orders.build(name, stages, microbatches, chunks, costs)
@@ -359,3 +379,10 @@ def interleaved_bubble(p: int, m: int, v: int) -> float:
     (v*m + p - 1)(F + B), so idle/total = (p-1)/(v*m + p-1), i.e. idle/busy = (p-1)/(v*m),
     Narayanan et al.'s figure (they divide by the ideal time)."""
     return (p - 1) / (v * m + p - 1)
+
+
+def dualpipe_v_bubble(p: int, m: int) -> float:
+    """The bubble of jaxpar's dualpipe-v tables at F=B=W=1 (m >= 2p-1): each device works
+    6m ticks without a gap from tick d, so total time 6m + p - 1 and idle/total =
+    (p-1)/(6m+p-1); back to back, 0."""
+    return (p - 1) / (6 * m + p - 1)

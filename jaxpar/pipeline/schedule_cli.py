@@ -3,6 +3,7 @@
     jaxpar schedule 1f1b -p 4 -m 8                 the lecture's 1F1B timeline
     jaxpar schedule interleaved -p 4 -m 8 -v 2     Megatron's interleaved 1F1B
     jaxpar schedule zb-h1 -p 4 -m 8 --costs F=1,B=1,W=1
+    jaxpar schedule dualpipe-v -p 4 -m 8           two chunks per device in a V (DualPipeV, ZB-V)
     jaxpar schedule --all -p 8 -m 64               every schedule side by side
     jaxpar schedule gpipe --json | --png t.png | --trace t.json   (Perfetto: ui.perfetto.dev)
 
@@ -25,9 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-p", "--stages", type=int, default=4, help="pipeline stages (devices) p (default 4)")
     parser.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches m (default 8)")
     parser.add_argument("-v", "--chunks", type=int, default=None,
-                        help="model chunks per device, interleaved only (default 2)")
+                        help="model chunks per device, interleaved only (default 2; dualpipe-v: 2)")
     parser.add_argument("--costs", default=None, metavar="F=1,B=2[,W=1]",
-                        help="ticks per action kind (default F=1,B=2; zb-*: F=1,B=1,W=1)")
+                        help="ticks per action kind (default F=1,B=2; zb-*, dualpipe-v: F=1,B=1,W=1)")
     parser.add_argument("--all", action="store_true", help="compare every schedule for this p and m")
     parser.add_argument("--json", action="store_true", help="print the schedule (table, stats, sends) as JSON")
     parser.add_argument("--png", metavar="PATH", help="write a timeline figure")
@@ -53,7 +54,7 @@ def compare(p: int, m: int, v: int | None, costs: dict[str, int] | None) -> list
     out = []
     for name in schedule.KNOWN:
         chunks = v if name == "interleaved" else None
-        own = {k: c for k, c in (costs or {}).items() if k != "W" or name.startswith("zb-")}
+        own = {k: c for k, c in (costs or {}).items() if k != "W" or name in schedule.SPLIT}
         try:
             s = schedule.make(name, p, m, chunks, own)
         except ValueError as e:

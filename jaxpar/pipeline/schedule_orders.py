@@ -8,7 +8,8 @@ first. The orders are the published ones: GPipe (Huang et al. 2019), 1F1B
 2021, virtual stage = chunk*p + device) and the handcrafted ZB-H1 / ZB-H2 of Qi et al.
 2023 ("Zero Bubble Pipeline Parallelism"), whose backward is split into B (input
 gradient, which the previous stage waits for) and W (weight gradient, which nobody waits
-for and so fills the bubbles).
+for and so fills the bubbles), and DualPipeV (DeepSeek-AI 2025, the V-shape ZB-V of Qi et
+al. 2024, "Pipeline Parallelism with Controllable Memory"), two chunks per device in a V.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
-from jaxpar.pipeline.schedule import (DEFAULT_COSTS, DEFAULT_SPLIT_COSTS, KNOWN, Action, Key, Schedule,
-                                      find_deadlock)
+from jaxpar.pipeline.schedule import (DEFAULT_COSTS, DEFAULT_SPLIT_COSTS, KNOWN, SPLIT, Action, Key,
+                                      Schedule, find_deadlock)
 
 
 def naive(p: int, m: int, v: int) -> list[list]:
@@ -95,17 +96,70 @@ def interleaved(p: int, m: int, v: int) -> list[list]:
     return progs
 
 
+def dualpipe_v(p: int, m: int, v: int) -> list[list]:
+    """DualPipeV / ZB-V: device d holds stage d (chunk 0, going down the devices) and stage
+    2p-1-d (chunk 1, coming back up), so device 0 has the first stage and the loss, and
+    device p-1 turns each microbatch around without a send. In chunk units (F=B=W=1):
+
+      warm-up    2(p-d-1) F0, then d+1 pairs F0 F1, then p-d-1 times B1 W1 F1;
+      steady     B1 W1 F0 B0 W0 F1 (one microbatch of the whole device) while forwards
+                 remain, a finished kind skipped;
+      drain      B1 B0 while B1's remain (their W's held back), then W B0, then the held W's.
+
+    The held-back W's fill the drain as in ZB-H1, and a device keeps at most 2p
+    microbatch-chunks live: 1F1B's p full-stage microbatches. Needs m >= 2p-1 (device 0
+    runs 2p-1 forwards of chunk 0 before its first B0); `v` is 2."""
+    progs = []
+    for d in range(p):
+        prog: list[Action] = []
+        held: list[Action] = []  # W's not yet run, oldest first
+        done = {"F0": 0, "F1": 0, "B0": 0, "B1": 0}
+
+        def run(step: str) -> None:
+            """F0, F1, B0, B1 (its W held back), B0W / B1W (W right after), W (oldest held)."""
+            if step == "W":
+                prog.append(held.pop(0))
+                return
+            kind, chunk = step[0], int(step[1])
+            if done[step[:2]] == m:
+                return
+            prog.append(Action(kind, done[step[:2]], chunk))
+            done[step[:2]] += 1
+            if kind == "B":
+                held.append(Action("W", prog[-1].microbatch, chunk))
+                if step.endswith("W"):
+                    prog.append(held.pop(0))
+
+        for step in ["F0"] * 2 * (p - d - 1) + ["F0", "F1"] * (d + 1) + ["B1W", "F1"] * (p - d - 1):
+            run(step)
+        while done["F0"] < m or done["F1"] < m:
+            for step in ("B1W", "F0", "B0W", "F1"):
+                run(step)
+        while done["B1"] < m:
+            run("B1")
+            run("B0")
+        while done["B0"] < m:
+            run("W")
+            run("B0")
+        while held:
+            run("W")
+        progs.append(prog)
+    return progs
+
+
 PROGRAMS: dict[str, Callable[[int, int, int], list[list]]] = {
     "naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved,
-    "zb-h1": zb_h1, "zb-h2": zb_h2,
+    "zb-h1": zb_h1, "zb-h2": zb_h2, "dualpipe-v": dualpipe_v,
 }
+LAYOUT = {"dualpipe-v": "v"}  # the others: "interleaved" (stage = chunk*p + device)
 
 
 def simulate(name: str, stages: int, microbatches: int, chunks: int, costs: Mapping[str, int],
-             split_backward: bool, programs: Sequence[Sequence[Action]]) -> Schedule:
+             split_backward: bool, programs: Sequence[Sequence[Action]],
+             layout: str = "interleaved") -> Schedule:
     """Place each device's program in order, every action at the earliest tick at which
     its device is free and its inputs have ended (a device with blocking receives)."""
-    shape = Schedule(name, stages, microbatches, chunks, dict(costs), split_backward, ())
+    shape = Schedule(name, stages, microbatches, chunks, dict(costs), split_backward, (), layout)
     end: dict[Key, int] = {}
     placed: list[list[tuple[int, Action]]] = [[] for _ in range(stages)]
     free = [0] * stages
@@ -137,19 +191,20 @@ def build(name: str, stages: int, microbatches: int, chunks: int | None,
     """`schedule.make`: check the request, run the named order through `simulate`, validate."""
     if name not in KNOWN:
         raise ValueError(f"unknown schedule {name!r}; known: {', '.join(KNOWN)}")
-    split = name.startswith("zb-")
-    chunks = (2 if name == "interleaved" else 1) if chunks is None else chunks
+    split = name in SPLIT
+    chunks = (2 if name in ("interleaved", "dualpipe-v") else 1) if chunks is None else chunks
     _check_shape(name, stages, microbatches, chunks)
     full = dict(DEFAULT_SPLIT_COSTS if split else DEFAULT_COSTS)
     for kind, c in (costs or {}).items():
         if kind not in full:
             raise ValueError(f"cost {kind}={c}: {name} has kinds {', '.join(full)} only"
-                             + ("" if split else " (W exists only with the split backward: zb-h1, zb-h2)"))
+                             + ("" if split else f" (W exists only with the split backward: {', '.join(SPLIT)})"))
         if not isinstance(c, int) or c < 1:
             raise ValueError(f"cost {kind}={c}: costs are whole ticks >= 1, e.g. {kind}=1")
         full[kind] = c
     programs = PROGRAMS[name](stages, microbatches, chunks)
-    return simulate(name, stages, microbatches, chunks, full, split, programs).validate()
+    return simulate(name, stages, microbatches, chunks, full, split, programs,
+                    LAYOUT.get(name, "interleaved")).validate()
 
 
 def _check_shape(name: str, p: int, m: int, v: int) -> None:
@@ -165,6 +220,14 @@ def _check_shape(name: str, p: int, m: int, v: int) -> None:
             near = str(hi) if lo == 0 or hi - m < m - lo else str(lo) if m - lo < hi - m else f"{lo} or {hi}"
             raise ValueError(f"interleaved needs microbatches a multiple of stages (Megatron's "
                              f"schedule): m={m}, p={p}; nearest valid m: {near}")
+    elif name == "dualpipe-v":
+        if v != 2:
+            raise ValueError(f"dualpipe-v has 2 chunks per device (down the devices and back up), "
+                             f"not v={v}; drop -v")
+        if m < 2 * p - 1:
+            raise ValueError(f"dualpipe-v needs microbatches >= 2*stages - 1 (device 0 runs 2p-1 "
+                             f"forwards before its first backward): m={m} < {2 * p - 1} for p={p}; "
+                             f"use -m {2 * p - 1} or more, or zb-h1")
     elif v != 1:
         raise ValueError(f"chunks v={v} applies to interleaved only; drop -v for {name}")
     if name.startswith("zb-") and m < p:

@@ -17,10 +17,11 @@ LEGEND = (
     "one character per tick; digit i = forward of microbatch i (mod 10); a, b, c, ... = "
     "backward of microbatch 0, 1, 2, ... (mod 26; the input gradient only when the backward "
     "is split); A, B, C, ... = its weight gradient W; '.' = idle; '#' = two actions at once "
-    "(invalid). Interleaved: one row per device, and under it the chunk of each busy tick."
+    "(invalid). Interleaved and DualPipe-V: one row per device, and under it the chunk of each "
+    "busy tick (DualPipe-V: chunk 0 is stage d, chunk 1 stage 2p-1-d)."
 )
 DISPLAY = {"naive": "naive", "gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B",
-           "zb-h1": "ZB-H1", "zb-h2": "ZB-H2"}
+           "zb-h1": "ZB-H1", "zb-h2": "ZB-H2", "dualpipe-v": "DualPipe-V"}
 
 
 def char(a: Action) -> str:
@@ -42,7 +43,7 @@ def _label(s: Schedule) -> tuple[str, int]:
 
 
 def timeline_rows(s: Schedule) -> list[str]:
-    """One row per stage (per device, plus a chunk row, when interleaved)."""
+    """One row per stage (per device, plus a chunk row, when v > 1)."""
     word, width = _label(s)
     rows = []
     for d in range(s.stages):
@@ -59,7 +60,8 @@ def timeline_rows(s: Schedule) -> list[str]:
 
 def header(s: Schedule) -> str:
     word, _ = _label(s)
-    dims = f"p={s.stages}, m={s.microbatches}" + (f", v={s.chunks}" if s.chunks > 1 else "")
+    dims = (f"p={s.stages}, m={s.microbatches}" + (f", v={s.chunks}" if s.chunks > 1 else "")
+            + (" in a V" if s.layout == "v" else ""))
     out = (f"{DISPLAY.get(s.name, s.name)} ({dims}): bubble {percent(s.bubble_fraction)}, "
            f"total time {s.total_time}, peak activations per {word} {s.peak_activations}")
     if s.split_backward:
@@ -88,7 +90,8 @@ def chrome_trace(s: Schedule) -> dict:
     slice per action, a flow arrow per send; 1 tick = 1000 us."""
     us = 1000
     events: list[dict] = [{"ph": "M", "pid": 0, "name": "process_name",
-                           "args": {"name": f"{s.name} p={s.stages} m={s.microbatches} v={s.chunks}"}}]
+                           "args": {"name": f"{s.name} p={s.stages} m={s.microbatches} v={s.chunks} "
+                                            f"({s.layout})"}}]
     for d in range(s.stages):
         events.append({"ph": "M", "pid": 0, "tid": d, "name": "thread_name", "args": {"name": f"device {d}"}})
         for t, a in s.program(d):

@@ -1,0 +1,174 @@
+"""The dualpipe-v schedule (DualPipeV / ZB-V): the V layout of the chunks, its sends, and the
+bubble and memory its tables give, checked against expressions written here."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxpar import cli
+from jaxpar.pipeline import schedule as S
+
+FAST = settings(max_examples=40, deadline=None)
+
+
+def v_stage(p: int, device: int, chunk: int) -> int:
+    """Chunk 0 goes down the devices, chunk 1 comes back up."""
+    return device if chunk == 0 else 2 * p - 1 - device
+
+
+def check_dependencies(s: S.Schedule) -> None:
+    """Each action after its device's previous one and after its inputs, on the V mapping."""
+    start, end = {}, {}
+    for d in range(s.stages):
+        prev_end = 0
+        for t, a in s.program(d):
+            assert t >= prev_end
+            prev_end = t + s.costs[a.kind]
+            key = (a.kind, a.microbatch, v_stage(s.stages, d, a.chunk))
+            assert key not in start
+            start[key], end[key] = t, prev_end
+    n = 2 * s.stages
+    assert set(start) == {(k, i, j) for k in "FBW" for i in range(s.microbatches) for j in range(n)}
+    for (kind, i, k), t in start.items():
+        needs = {"F": [("F", i, k - 1)] if k else [],
+                 "B": [("F", i, k)] + ([("B", i, k + 1)] if k < n - 1 else []),
+                 "W": [("B", i, k)]}[kind]
+        assert all(t >= end[x] for x in needs), (kind, i, k)
+
+
+# ---- the layout ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_v_mapping_and_its_inverse(p):
+    s = S.make("dualpipe-v", p, 2 * p - 1)
+    assert s.layout == "v" and s.chunks == 2
+    for d in range(p):
+        for c in range(2):
+            assert s.stage_of(d, c) == v_stage(p, d, c)
+            assert s.device_of(s.stage_of(d, c)) == (d, c)
+    assert s.device_of(0) == (0, 0) and s.device_of(2 * p - 1) == (0, 1)  # loss on device 0
+    assert s.device_of(p - 1) == (p - 1, 0) and s.device_of(p) == (p - 1, 1)  # the turn
+
+
+def test_interleaved_mapping_unchanged():
+    s = S.make("interleaved", 4, 8, 3)
+    assert s.layout == "interleaved"
+    assert [s.stage_of(d, c) for c in range(3) for d in range(4)] == list(range(12))
+
+
+def test_layout_must_fit_the_chunks():
+    with pytest.raises(ValueError, match="2 chunks"):
+        S.Schedule("hand", 2, 1, 3, {"F": 1, "B": 2}, False, (), "v")
+    with pytest.raises(ValueError, match="one of interleaved, v"):
+        S.Schedule("hand", 2, 1, 2, {"F": 1, "B": 2}, False, (), "zigzag")
+
+
+def test_validate_reads_the_layout():
+    # Megatron's interleaved table is valid on its own mapping and deadlocks on the V one,
+    # and the other way round: the validator never assumes chunk*p + device.
+    inter, vee = S.make("interleaved", 2, 2, 2), S.make("dualpipe-v", 2, 3)
+    with pytest.raises(S.ScheduleError, match="deadlock|before its input"):
+        dataclasses.replace(inter, layout="v").validate()
+    with pytest.raises(S.ScheduleError, match="deadlock|before its input"):
+        dataclasses.replace(vee, layout="interleaved").validate()
+
+
+# ---- sends -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("p, m", [(1, 3), (2, 3), (4, 8), (8, 32)])
+def test_sends_skip_the_turn(p, m):
+    s = S.make("dualpipe-v", p, m)
+    assert len(s.sends) == 2 * m * (2 * p - 2) == 2 * len(S.make("1f1b", p, m).sends)
+    for snd in s.sends:
+        k = s.stage_of(snd.src, snd.chunk)
+        assert s.stage_of(snd.dst, snd.dst_chunk) == (k + 1 if snd.kind == "F" else k - 1)
+        assert snd.src != snd.dst and abs(snd.src - snd.dst) == 1 and snd.chunk == snd.dst_chunk
+        assert {k, k + (1 if snd.kind == "F" else -1)} != {p - 1, p}  # the turn stays on device p-1
+        assert snd.needed_at >= snd.tick == s.end(snd.kind, snd.microbatch, k)
+
+
+# ---- what the tables give ----------------------------------------------------------------
+
+
+@FAST
+@given(p=st.integers(1, 8), extra=st.integers(0, 40))
+def test_bubble_and_peak_exact(p, extra):
+    m = 2 * p - 1 + extra
+    s = S.make("dualpipe-v", p, m)
+    check_dependencies(s)
+    assert s.total_time == 6 * m + p - 1
+    idle = sum(a is None for d in range(p) for a in s.occupancy(d))
+    assert Fraction(idle, p * s.total_time) == Fraction(p - 1, 6 * m + p - 1)
+    assert s.bubble_fraction == pytest.approx(S.dualpipe_v_bubble(p, m), abs=1e-12)
+    # a parallelogram: device d busy without a gap from tick d to 6m + d, so back to back 0
+    for d in range(p):
+        prog = s.program(d)
+        assert prog[0][0] == d and prog[-1][0] + 1 == 6 * m + d
+    assert s.steady_bubble_fraction == 0
+    # 2p live microbatch-chunks on every device = 1F1B's p full-stage microbatches
+    assert s.peak_activations == s.peak_in_flight == [2 * p] * p
+    assert 2 * max(S.make("1f1b", p, m).peak_activations) == 2 * p
+
+
+@FAST
+@given(p=st.integers(1, 8), extra=st.integers(0, 12), f=st.integers(1, 3), b=st.integers(1, 3),
+       w=st.integers(1, 3))
+def test_runs_with_any_costs(p, extra, f, b, w):
+    s = S.make("dualpipe-v", p, 2 * p - 1 + extra, costs={"F": f, "B": b, "W": w})
+    check_dependencies(s)
+    assert s.total_time >= 2 * (f + b + w) * s.microbatches
+
+
+def test_p4_m8_figures():
+    s = S.make("dualpipe-v", 4, 8)
+    assert s.total_time == 51 and s.ascii().splitlines()[0].startswith(
+        "DualPipe-V (p=4, m=8, v=2 in a V): bubble 5.9%, total time 51, peak activations per device "
+        "[8, 8, 8, 8], in flight until W [8, 8, 8, 8]; back to back: bubble 0%")
+    rows = s.ascii().splitlines()
+    assert rows[7] == "  device 3: ...00112233aA4aA4bB5bB5cC6cC6dD7dD7eeffgghhEEFFGGHH"
+    assert rows[8] == "  chunk   :    010101011100011100011100011100011010101010101010"
+
+
+# ---- bad input and the outputs -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, fix", [
+    (("dualpipe-v", 4, 6), "use -m 7 or more"),
+    (("dualpipe-v", 8, 14), "use -m 15 or more"),
+    (("dualpipe-v", 4, 8, 3), "drop -v"),
+    (("dualpipe-v", 0, 8), "-p 1 or more"),
+])
+def test_bad_input(args, fix):
+    with pytest.raises(ValueError) as e:
+        S.make(*args)
+    assert fix in str(e.value)
+
+
+def test_json_trace_png(tmp_path):
+    s = S.make("dualpipe-v", 3, 5)
+    d = json.loads(s.to_json())
+    assert d["layout"] == "v" and d["chunks"] == 2
+    assert {(a["chunk"], a["stage"]) for a in d["programs"][0]} == {(0, 0), (1, 5)}
+    slices = [e for e in s.chrome_trace()["traceEvents"] if e["ph"] == "X"]
+    assert all(e["args"]["stage"] == v_stage(3, e["tid"], e["args"]["chunk"]) for e in slices)
+    s.save_png(str(tmp_path / "v.png"))
+    assert (tmp_path / "v.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli(capsys):
+    assert cli.main(["schedule", "dualpipe-v", "-p", "4", "-m", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "bubble 5.9%" in out and "sends between devices: 96" in out
+    assert cli.main(["schedule", "--all", "-p", "4", "-m", "8", "--costs", "F=1,B=1,W=1"]) == 0
+    line = next(r for r in capsys.readouterr().out.splitlines() if "dualpipe-v" in r)
+    assert "5.9%" in line and "[8, 8, 8, 8]" in line
+    assert cli.main(["schedule", "dualpipe-v", "-p", "4", "-m", "4"]) == 2
+    assert "use -m 7 or more" in capsys.readouterr().err

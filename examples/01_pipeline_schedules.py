@@ -85,6 +85,19 @@ for p, m in ((8, 32),):
     print(f"  p={p}, m={m}: bubble 1F1B {percent(a.bubble_fraction)}, ZB-H1 {percent(b.bubble_fraction)}, "
           f"ZB-H2 {percent(c.bubble_fraction)} (back to back {percent(c.steady_bubble_fraction)}); "
           f"peak on stage 0: {a.peak_activations[0]}, {b.peak_activations[0]}, {c.peak_activations[0]}")
+print()
+
+# DeepSeek-V3's DualPipe cut in half (DualPipeV), the V-shape ZB-V of Qi et al. 2024: device d
+# holds stage d and stage 2p-1-d, so the loss is on device 0 and the turn needs no send.
+print("== 2.5 DualPipe-V: two chunks per device in a V, F=B=W=1 per chunk ==\n")
+show(schedule.make("dualpipe-v", 4, 8))
+for p, m in ((4, 8), (8, 32)):
+    ref, zb, dv = (schedule.make(n, p, m) for n in ("1f1b", "zb-h1", "dualpipe-v"))
+    print(f"  p={p}, m={m}: bubble {percent(dv.bubble_fraction)} = (p-1)/(6m+p-1) = "
+          f"{percent(schedule.dualpipe_v_bubble(p, m))} (ZB-H1 {percent(zb.bubble_fraction)}, 1F1B "
+          f"{percent(ref.bubble_fraction)}), back to back {percent(dv.steady_bubble_fraction)}; peak "
+          f"{dv.peak_in_flight[0]} half-stage chunks on every device = 1F1B's {ref.peak_activations[0]} "
+          f"stages; sends {len(dv.sends)} = 2x 1F1B's {len(ref.sends)}")
 
 if args.png:
     out = pathlib.Path(args.png)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from jaxpar.pipeline import schedule_viz
-from jaxpar.pipeline.schedule import interleaved_bubble, make
+from jaxpar.pipeline.schedule import dualpipe_v_bubble, interleaved_bubble, make
 
 # The lecture's section 2.1-2.3 timelines (p=4, F=1, B=2), its bubble figures as printed
 # (rounded to 0.1%) and 1F1B's peak activations. Tests and the tour both read this.
@@ -29,7 +29,7 @@ LECTURE_TIMELINES: dict[str, dict] = {
 
 def tour_check():
     """Rows for `jaxpar tour`: the lecture's three timelines, the GPipe/1F1B formula over
-    p in 1..8, m in 1..32, and the interleaved / zero-bubble figures."""
+    p in 1..8, m in 1..32, and the interleaved / zero-bubble / DualPipe-V figures."""
     from jaxpar.tour import Row
 
     rows = []
@@ -73,4 +73,13 @@ def tour_check():
                     ok=zb2.steady_bubble_fraction < 1e-12 and zb2.peak_activations[0] == 7,
                     note=f"back-to-back bubble {schedule_viz.percent(zb2.steady_bubble_fraction)}, "
                          f"peak {zb2.peak_activations} (2p-1 = 7)"))
+    t0 = time.perf_counter()
+    dpv = make("dualpipe-v", 4, 8)
+    err = abs(dpv.bubble_fraction - dualpipe_v_bubble(4, 8))
+    rows.append(Row(technique="DualPipe-V p=4 m=8 F=B=W", mesh="-", max_error=err,
+                    collectives=f"{len(dpv.sends)} sends (1F1B {len(make('1f1b', 4, 8).sends)})",
+                    seconds=time.perf_counter() - t0,
+                    ok=err < 1e-12 and dpv.steady_bubble_fraction == 0 and dpv.peak_in_flight == [8] * 4,
+                    note=f"bubble {schedule_viz.percent(dpv.bubble_fraction)} = (p-1)/(6m+p-1), back to "
+                         f"back 0%, peak {dpv.peak_in_flight} chunks = 2p"))
     return rows

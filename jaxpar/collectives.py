@@ -52,7 +52,32 @@ def pvary(x, axis: str):
     return x if _is_varying(x, axis) else jax.lax.pcast(x, axis, to="varying")
 
 
-# --- f: identity forward, all-reduce backward ------------------------------------------
+def _collective_op(forward, backward):
+    """A custom_vjp op x -> forward(x) whose gradient is g -> backward(g): the pair of
+    collectives is all there is to each op below, so each is defined by its two halves."""
+    @partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+    def op(x, axis, dim):
+        return forward(x, axis, dim)
+
+    op.defvjp(lambda x, axis, dim: (forward(x, axis, dim), None),
+              lambda axis, dim, _, g: (backward(g, axis, dim),))
+    return op
+
+
+def _all_gather(x, axis, dim):
+    return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+
+
+def _reduce_scatter(x, axis, dim):
+    return jax.lax.psum_scatter(pvary(x, axis), axis, scatter_dimension=dim, tiled=True)
+
+
+#                  forward                               backward
+_f = _collective_op(lambda x, axis, _: pvary(x, axis),   lambda g, axis, _: jax.lax.psum(g, axis))
+_g = _collective_op(lambda x, axis, _: jax.lax.psum(x, axis), lambda g, axis, _: pvary(g, axis))
+_ag = _collective_op(_all_gather, _reduce_scatter)
+_rs = _collective_op(_reduce_scatter, _all_gather)
+
 
 def copy_to_tp(x, axis: str):
     """Megatron's f. x[..]{invariant over tp} -> the same x, now varying over tp.
@@ -62,26 +87,8 @@ def copy_to_tp(x, axis: str):
     Applied to a replicated norm gain under sequence parallelism, this is the all-reduce
     of the gain's gradient of lecture exercise 5c.
     """
-    return x if _single(x, axis) else _f(x, axis)
+    return x if _single(x, axis) else _f(x, axis, None)
 
-
-@partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _f(x, axis):
-    return pvary(x, axis)
-
-
-def _f_fwd(x, axis):
-    return pvary(x, axis), None
-
-
-def _f_bwd(axis, _, g):
-    return (jax.lax.psum(g, axis),)
-
-
-_f.defvjp(_f_fwd, _f_bwd)
-
-
-# --- g: all-reduce forward, identity backward ------------------------------------------
 
 def reduce_from_tp(x, axis: str):
     """Megatron's g. x[..]{U_tp} (a partial sum per tp device) -> psum_tp(x), invariant.
@@ -89,26 +96,8 @@ def reduce_from_tp(x, axis: str):
     Forward: all-reduce over `axis`. Backward: identity: every device's partial sum got
     the same gradient (marked varying again, as psum's transpose does).
     """
-    return x if _single(x, axis) else _g(x, axis)
+    return x if _single(x, axis) else _g(x, axis, None)
 
-
-@partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _g(x, axis):
-    return jax.lax.psum(x, axis)
-
-
-def _g_fwd(x, axis):
-    return jax.lax.psum(x, axis), None
-
-
-def _g_bwd(axis, _, g):
-    return (pvary(g, axis),)
-
-
-_g.defvjp(_g_fwd, _g_bwd)
-
-
-# --- sequence parallel: all-gather forward, reduce-scatter backward ---------------------
 
 def gather_from_sp(x, axis: str, dim: int = 1):
     """Enter the tensor-parallel region from the sequence-parallel one.
@@ -120,24 +109,6 @@ def gather_from_sp(x, axis: str, dim: int = 1):
     return x if _single(x, axis) else _ag(x, axis, dim)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _ag(x, axis, dim):
-    return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
-
-
-def _ag_fwd(x, axis, dim):
-    return jax.lax.all_gather(x, axis, axis=dim, tiled=True), None
-
-
-def _ag_bwd(axis, dim, _, g):
-    return (jax.lax.psum_scatter(pvary(g, axis), axis, scatter_dimension=dim, tiled=True),)
-
-
-_ag.defvjp(_ag_fwd, _ag_bwd)
-
-
-# --- sequence parallel: reduce-scatter forward, all-gather backward ---------------------
-
 def reduce_scatter_to_sp(x, axis: str, dim: int = 1):
     """Leave the tensor-parallel region into the sequence-parallel one.
 
@@ -145,19 +116,3 @@ def reduce_scatter_to_sp(x, axis: str, dim: int = 1):
     Backward: all-gather along `dim` (every partial sum fed every token's output).
     """
     return x if _single(x, axis) else _rs(x, axis, dim)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _rs(x, axis, dim):
-    return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
-
-
-def _rs_fwd(x, axis, dim):
-    return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True), None
-
-
-def _rs_bwd(axis, dim, _, g):
-    return (jax.lax.all_gather(g, axis, axis=dim, tiled=True),)
-
-
-_rs.defvjp(_rs_fwd, _rs_bwd)

@@ -5,11 +5,17 @@ vocabulary, so each tp device holds V/t rows/columns and computes V/t of the log
 full logits [B, T, V] are never gathered: the cross-entropy needs, per token, only the
 max, the sum of exponentials and the target's logit, three [B, T] reductions over tp.
 
-    vocab_parallel_embedding   out[B, T, D] = psum_tp(rows of this shard, zeros elsewhere)
-                               fwd: 1 all-reduce of B*T*D (g); bwd: none (scatter-add locally)
-    vocab_parallel_cross_entropy  logits[B, T, V_tp] -> mean loss
-                               fwd: all-reduces of [B, T] (max, sum exp, target logit);
+    vocab_parallel_embedding   out[B_dp, T, D] = psum_tp(rows of this shard, zeros elsewhere)
+                               fwd: 1 all-reduce of b*T*D over tp (g); bwd: none over tp
+                               (scatter-add locally), and with dp > 1 the all-reduce over dp
+                               of this device's embedding gradient, V/t*D (data parallelism)
+    vocab_parallel_cross_entropy  logits[B_dp, T, V_tp] -> mean loss
+                               fwd: all-reduces of [b, T] over tp: the max (its own, a max
+                               does not combine with sums) and the sum of exp with the
+                               target's logit (XLA combines the two sums): 2 ops, 3*b*T
+                               elements; with dp > 1 the mean over dp, 1 scalar.
                                bwd: none: dL/dlogits = (softmax - onehot)/n, computed locally
+    (b = B/dp; `vocab_collectives` states these as {kind: (count, bytes)}.)
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import reference
 from jaxpar.collectives import reduce_from_tp
-from jaxpar.mesh import TP
+from jaxpar.mesh import DP, TP
 
 
 def _vocab_range(v_local: int, axis: str):
@@ -61,23 +68,62 @@ def cross_entropy_shard(logits, targets, *, axis: str = TP):
     return jnp.mean(jnp.log(sum_exp) - target_logit)
 
 
-def _check_vocab(v: int, mesh: Mesh) -> int:
-    t = mesh.shape[TP]
+def _check(v: int, batch: int, mesh: Mesh) -> tuple[str | None, str | None]:
+    """Validate the split; returns the (data, vocab) axis names that really split (size > 1:
+    XLA keeps a collective over a group of one, so a size-1 axis is left unsplit)."""
+    if TP not in mesh.shape:
+        raise ValueError(f"vocabulary parallelism needs a mesh with a '{TP}' axis; got {tuple(mesh.shape)}. "
+                         "Fix: jaxpar.mesh.make_mesh(tp=..., dp=...)")
+    t, dp = mesh.shape[TP], mesh.shape.get(DP, 1)
     if v % t:
         raise ValueError(f"vocab V={v} is not divisible by tp={t}: each tp device holds V/tp rows. "
                          f"Fix: pad the vocabulary to a multiple of {t} (Megatron pads to 128*tp)")
-    return t
+    if batch % dp:
+        raise ValueError(f"batch B={batch} is not divisible by dp={dp}. Fix: use a batch that is a "
+                         f"multiple of {dp}")
+    return (DP if dp > 1 else None), (TP if t > 1 else None)
 
 
 def vocab_parallel_embedding(embed, tokens, *, mesh: Mesh):
-    """embed[V_tp, D] looked up at tokens[B, T] -> [B, T, D] (replicated); equals embed[tokens]."""
-    _check_vocab(embed.shape[0], mesh)
-    return jax.shard_map(embedding_shard, mesh=mesh, in_specs=(P(TP, None), P()),
-                         out_specs=P())(embed, tokens)
+    """embed[V_tp, D] looked up at tokens[B_dp, T] -> [B_dp, T, D]; equals embed[tokens]."""
+    data, vocab = _check(embed.shape[0], tokens.shape[0], mesh)
+    body = embedding_shard if vocab else (lambda embed, tokens: embed[tokens])
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(vocab, None), P(data)),
+                         out_specs=P(data))(embed, tokens)
 
 
 def vocab_parallel_cross_entropy(logits, targets, *, mesh: Mesh):
-    """reference.cross_entropy(logits, targets) with logits[B, T, V_tp] never gathered."""
-    _check_vocab(logits.shape[-1], mesh)
-    return jax.shard_map(cross_entropy_shard, mesh=mesh, in_specs=(P(None, None, TP), P()),
+    """reference.cross_entropy(logits, targets) with logits[B_dp, T, V_tp] never gathered."""
+    data, vocab = _check(logits.shape[-1], logits.shape[0], mesh)
+
+    def body(logits, targets):                         # logits: [B/dp, T, V/t]
+        loss = cross_entropy_shard(logits, targets) if vocab else reference.cross_entropy(logits, targets)
+        return jax.lax.pmean(loss, DP) if data else loss   # equal shards: mean of means
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(data, None, vocab), P(data)),
                          out_specs=P())(logits, targets)
+
+
+def vocab_collectives(*, batch: int, seq: int, d_model: int, vocab: int, dtype, tp: int, dp: int = 1,
+                      what: str, backward: bool = False) -> dict[str, tuple[int, int]]:
+    """{kind: (count, bytes)} of the compiled forward program (backward=False) or of the
+    backward one alone (jit of the function jax.vjp returns) of `what` = "cross_entropy"
+    or "embedding", as comms.nonzero reports them. b = batch/dp."""
+    item = jnp.dtype(dtype).itemsize
+    b = batch // dp
+    ops: list[tuple[int, int]] = []          # (count, bytes) of all-reduces
+    if what == "cross_entropy":                     # the backward is local: softmax - onehot
+        if tp > 1 and not backward:
+            ops += [(1, b * seq * item), (1, 2 * b * seq * item)]   # max; sum exp + target logit
+        if dp > 1 and not backward:
+            ops.append((1, item))                                   # mean of the loss over dp
+    elif what == "embedding":
+        if tp > 1 and not backward:
+            ops.append((1, b * seq * d_model * item))               # g: the rows of every shard
+        if dp > 1 and backward:
+            ops.append((1, vocab // tp * d_model * item))           # dL/dembed summed over dp
+    else:
+        raise ValueError(f"what={what!r}: use 'cross_entropy' or 'embedding'")
+    if not ops:
+        return {}
+    return {"all-reduce": (sum(c for c, _ in ops), sum(n for _, n in ops))}

@@ -120,32 +120,55 @@ def test_counterexample_row_split_gelu_is_wrong():
     assert max_abs_diff(wrong, expected) > 0.5         # lecture: 0.82 for its setup
 
 
-@pytest.mark.parametrize("tp", [2, 8])
-def test_vocab_parallel_cross_entropy(tp):
-    m = mesh_lib.make_mesh(dp=8 // tp, tp=tp)
+VOCAB_MESHES = [(8, 1), (4, 2), (1, 8), (2, 4)]   # (dp, tp): size-1 axes included
+
+
+def _fwd_bwd(fn, x):
+    """The jitted forward of fn and its jitted backward alone (cotangent -> dL/dx),
+    so that each program's collectives are read on their own."""
+    _, vjp = jax.vjp(fn, x)
+    return jax.jit(fn), jax.jit(lambda ct: vjp(ct)[0])
+
+
+@pytest.mark.parametrize("dp,tp", VOCAB_MESHES)
+def test_vocab_parallel_cross_entropy(dp, tp):
+    m = mesh_lib.make_mesh(dp=dp, tp=tp)
     kl, kt = jax.random.split(jax.random.PRNGKey(2))
-    logits = 3 * jax.random.normal(kl, (2, T, 64))
-    targets = jax.random.randint(kt, (2, T), 0, 64)
-    f = jax.jit(jax.value_and_grad(lambda l: tensor_vocab.vocab_parallel_cross_entropy(l, targets, mesh=m)))
-    assert_close(f(logits), jax.value_and_grad(lambda l: reference.cross_entropy(l, targets))(logits))
-    stats = comms.nonzero(comms.collective_stats(f, logits))
-    assert set(stats) == {"all-reduce"}                   # no all-gather: logits never gathered
-    assert stats["all-reduce"][1] <= 3 * 2 * T * 4         # only [B, T] statistics move
+    logits = 3 * jax.random.normal(kl, (8, T, 64))
+    targets = jax.random.randint(kt, (8, T), 0, 64)
+    fwd, bwd = _fwd_bwd(lambda l: tensor_vocab.vocab_parallel_cross_entropy(l, targets, mesh=m), logits)
+    assert_close((fwd(logits), bwd(1.0)),
+                 jax.value_and_grad(lambda l: reference.cross_entropy(l, targets))(logits))
+    # Only [B/dp, T] statistics cross the wire (no all-gather: the logits are never gathered).
+    for backward, f, arg in ((False, fwd, logits), (True, bwd, 1.0)):
+        assert comms.nonzero(comms.collective_stats(f, arg)) == tensor_vocab.vocab_collectives(
+            batch=8, seq=T, d_model=0, vocab=64, dtype=jnp.float32, tp=tp, dp=dp, what="cross_entropy",
+            backward=backward)
 
 
-def test_vocab_parallel_embedding():
+def test_vocab_parallel_cross_entropy_float64(x64):
     m = mesh_lib.make_mesh(dp=2, tp=4)
+    logits = 3 * jax.random.normal(jax.random.PRNGKey(4), (4, T, 64), jnp.float64)
+    targets = jax.random.randint(jax.random.PRNGKey(5), (4, T), 0, 64)
+    ours = jax.value_and_grad(lambda l: tensor_vocab.vocab_parallel_cross_entropy(l, targets, mesh=m))(logits)
+    assert_close(ours, jax.value_and_grad(lambda l: reference.cross_entropy(l, targets))(logits))
+
+
+@pytest.mark.parametrize("dp,tp", VOCAB_MESHES)
+def test_vocab_parallel_embedding(dp, tp):
+    m = mesh_lib.make_mesh(dp=dp, tp=tp)
     kt, ke, kc = jax.random.split(jax.random.PRNGKey(3), 3)
-    tokens = jax.random.randint(kt, (2, T), 0, 64)
+    tokens = jax.random.randint(kt, (8, T), 0, 64)
     embed = jax.random.normal(ke, (64, 16))
-    ct = jax.random.normal(kc, (2, T, 16))
+    ct = jax.random.normal(kc, (8, T, 16))
 
-    def step(fn):
-        y, vjp = jax.vjp(fn, embed)
-        return y, vjp(ct)
-
-    ours = step(lambda e: tensor_vocab.vocab_parallel_embedding(e, tokens, mesh=m))
-    assert_close(ours, step(lambda e: e[tokens]))
+    fwd, bwd = _fwd_bwd(lambda e: tensor_vocab.vocab_parallel_embedding(e, tokens, mesh=m), embed)
+    y, vjp = jax.vjp(lambda e: e[tokens], embed)
+    assert_close((fwd(embed), bwd(ct)), (y, vjp(ct)[0]))
+    for backward, f, arg in ((False, fwd, embed), (True, bwd, ct)):
+        assert comms.nonzero(comms.collective_stats(f, arg)) == tensor_vocab.vocab_collectives(
+            batch=8, seq=T, d_model=16, vocab=64, dtype=jnp.float32, tp=tp, dp=dp, what="embedding",
+            backward=backward)
 
 
 def _params(cfg):
@@ -168,6 +191,9 @@ def test_bad_input_raises(cfg_kw, tp, sp, seq, match):
 
 def test_bad_vocab_raises():
     m = mesh_lib.make_mesh(tp=8)
+    with pytest.raises(ValueError, match=r"batch B=3 is not divisible by dp=2.*Fix"):
+        tensor_vocab.vocab_parallel_cross_entropy(jnp.zeros((3, 2, 64)), jnp.zeros((3, 2), int),
+                                                  mesh=mesh_lib.make_mesh(dp=2, tp=4))
     with pytest.raises(ValueError, match=r"vocab V=60 is not divisible by tp=8.*Fix"):
         tensor_vocab.vocab_parallel_cross_entropy(jnp.zeros((1, 2, 60)), jnp.zeros((1, 2), int), mesh=m)
     with pytest.raises(ValueError, match=r"vocab V=60 is not divisible by tp=8"):

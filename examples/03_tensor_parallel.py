@@ -9,8 +9,9 @@ Runs on 8 fake CPU devices unless XLA_FLAGS sets another count. Mirrors the lect
   demo 2  the counterexample: A split by rows, GeLU applied to partial sums;
   demo 3  the sequence-parallel MLP sublayer (RMSNorm -> all-gather -> column -> row ->
           reduce-scatter -> residual), with the norm gain's gradient all-reduced;
-then the collectives of the compiled programs vs 2*s*d elements each way, and the
-per-device ring traffic 8*b*s*h*(t-1)/t per layer.
+then the collectives of the compiled programs vs 2*s*d elements each way, the
+per-device ring traffic 8*b*s*h*(t-1)/t per layer, and the vocabulary-parallel
+cross-entropy that never gathers the logits.
 """
 
 from jaxpar import mesh
@@ -23,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxpar import comms, reference, tensor  # noqa: E402
+from jaxpar import comms, reference, tensor, tensor_vocab  # noqa: E402
 from jaxpar.collectives import copy_to_tp  # noqa: E402
 from jaxpar.tensor_checks import run_block  # noqa: E402
 from jaxpar.testing import max_abs_diff  # noqa: E402
@@ -100,6 +101,17 @@ def main():
     tp_ar = tp_run.forward["all-reduce"][1] + tp_run.backward["all-reduce"][1] - dp_bytes
     print(f"  measured: TP all-reduce bytes (fwd + bwd, dp gradients left out) x 2(t-1)/t = "
           f"{tp_ar * 2 * (tp - 1) / tp / 4:.0f} elements")
+
+    print("\nVocabulary-parallel cross-entropy (Megatron): logits[B, T, V/t] per device, never gathered")
+    V = 64 * tp
+    logits = 4 * jax.random.normal(jax.random.PRNGKey(3), (B, T, V))
+    targets = jax.random.randint(jax.random.PRNGKey(4), (B, T), 0, V)
+    ours = jax.jit(jax.value_and_grad(lambda l: tensor_vocab.vocab_parallel_cross_entropy(l, targets, mesh=m)))
+    want = jax.value_and_grad(lambda l: reference.cross_entropy(l, targets))(logits)
+    stats = comms.collective_stats(ours, logits)
+    print(f"  loss and dL/dlogits vs reference.cross_entropy: max diff {max_abs_diff(ours(logits), want):.1e}")
+    print(f"  collectives: {comms.format_stats(stats)} (the full logits would be {comms.human_bytes(logits.nbytes)})")
+
 
 if __name__ == "__main__":
     main()

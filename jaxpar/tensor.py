@@ -337,9 +337,10 @@ def row_split_gelu_error(*, mesh: Mesh, batch: int = 16, d_model: int = 64, d_ff
 
 def tour_check_tp():
     """The TP block against reference.block: output, input and all parameter gradients,
-    collectives vs tp_block_collectives; and the row-split GeLU counterexample."""
-    from jaxpar.tensor_checks import check_block, check_counterexample
-    return [check_block(sequence_parallel=False), check_counterexample()]
+    collectives vs tp_block_collectives; the row-split GeLU counterexample; and the
+    vocabulary-parallel cross-entropy."""
+    from jaxpar.tensor_checks import check_block, check_counterexample, check_vocab_cross_entropy
+    return [check_block(sequence_parallel=False), check_counterexample(), check_vocab_cross_entropy()]
 
 
 def tour_check_sp():

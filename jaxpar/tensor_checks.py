@@ -124,3 +124,35 @@ def check_counterexample():
                ok=err > 0.1 or m.shape[TP] == 1,
                note="tp=1: one device, nothing to split" if m.shape[TP] == 1
                else "ok = clearly wrong (lecture: 0.82 for its setup)")
+
+
+def check_vocab_cross_entropy():
+    """Vocabulary-parallel cross-entropy: loss and dL/dlogits vs reference.cross_entropy,
+    collectives of the forward and of the backward vs tensor_vocab.vocab_collectives."""
+    from jaxpar import tensor_vocab
+    from jaxpar.tour import Row
+
+    start = time.perf_counter()
+    m = default_mesh()
+    tp, dp = m.shape[TP], m.shape.get(DP, 1)
+    B, T, V = 2 * dp, 8, 16 * tp
+    logits = 4 * jax.random.normal(jax.random.PRNGKey(3), (B, T, V))
+    targets = jax.random.randint(jax.random.PRNGKey(4), (B, T), 0, V)
+    fn = lambda l: tensor_vocab.vocab_parallel_cross_entropy(l, targets, mesh=m)
+    _, vjp = jax.vjp(fn, logits)
+    fwd, bwd = jax.jit(fn), jax.jit(lambda ct: vjp(ct)[0])
+    out = (fwd(logits), bwd(1.0))
+    ref = jax.value_and_grad(lambda l: reference.cross_entropy(l, targets))(logits)
+    got = [comms.nonzero(comms.collective_stats(f, a)) for f, a in ((fwd, logits), (bwd, 1.0))]
+    want = [tensor_vocab.vocab_collectives(batch=B, seq=T, d_model=0, vocab=V, dtype=jnp.float32, tp=tp, dp=dp,
+                                           what="cross_entropy", backward=b) for b in (False, True)]
+    try:
+        assert_close(out, ref)
+        close = True
+    except AssertionError:
+        close = False
+    return Row(technique="vocab-parallel cross-entropy", mesh=mesh_lib.describe(m),
+               max_error=max_abs_diff(out, ref),
+               collectives=f"fwd {_fmt(got[0])} | bwd {_fmt(got[1])}" + (" = formula" if got == want else " != formula"),
+               seconds=time.perf_counter() - start, ok=close and got == want,
+               note=f"logits [B, T, V/t] never gathered ({comms.human_bytes(logits.nbytes)} in all)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 
 # subcommand -> module exposing HELP, add_arguments(parser), main(args).
@@ -121,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"jaxpar {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `jaxpar schedule ... | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@ and how many bytes it moves per execution of the program:
 Counting rules (tests pin each one):
   * an op in a while loop body counts once per iteration (XLA's known_trip_count;
     `lax.scan` and `fori_loop` with static bounds always have one);
-  * an op in a conditional (lax.switch / lax.cond) counts with the branch that
-    moves the most bytes — an upper bound, since the branch is chosen at run time;
+  * a conditional (lax.switch / lax.cond) counts, for each kind, the branch that moves
+    the most bytes of that kind: an upper bound per kind, since the branch is chosen at
+    run time. Such ops are flagged (`CollectiveOp.conditional`; `in_conditional` in the
+    stats), so a test of "measured == formula" can tell an estimate from a count;
   * async pairs (`all-gather-start` / `-done`) count once; combined (tuple) collectives
     count once with the bytes of all their operands.
 
@@ -73,6 +75,7 @@ class CollectiveOp:
     bytes: float         # logical bytes (see module docstring), per execution of the op
     group_size: int      # devices taking part in each group (2 for a permute pair)
     executions: int      # times it runs per execution of the program
+    conditional: bool = False   # inside a conditional branch: counted as an upper bound
 
     @property
     def wire_bytes(self) -> float:
@@ -140,7 +143,6 @@ def collective_ops_from_hlo(hlo: str) -> list[CollectiveOp]:
     comps, types, entry = _parse(hlo)
     m = _PARTITIONS.search(hlo)
     partitions = int(m.group(1)) if m else 1
-    found: list[CollectiveOp] = []
 
     def walk(comp: str, executions: int) -> list[CollectiveOp]:
         ops: list[CollectiveOp] = []
@@ -167,7 +169,11 @@ def collective_ops_from_hlo(hlo: str) -> list[CollectiveOp]:
                 names = ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches
                          else [c for k, c in _CALLS.findall(instr.rest) if k.endswith("_computation")])
                 per_branch = [walk(b, executions) for b in names]
-                ops += max(per_branch, key=lambda os_: sum(o.bytes * o.executions for o in os_), default=[])
+                for kind in KINDS:
+                    heaviest = max(([o for o in branch if o.kind == kind] for branch in per_branch),
+                                   key=lambda os_: (sum(o.bytes * o.executions for o in os_),
+                                                    sum(o.executions for o in os_)), default=[])
+                    ops += [dataclasses.replace(o, conditional=True) for o in heaviest]
                 continue
             if instr.opcode in ("async-update", "async-done"):
                 continue  # they repeat their async-start's calls=: the op inside counts once
@@ -176,8 +182,7 @@ def collective_ops_from_hlo(hlo: str) -> list[CollectiveOp]:
                     ops += walk(callee, executions)
         return ops
 
-    found = walk(entry, 1)
-    return found
+    return walk(entry, 1)
 
 
 def compiled_text(fn: Callable, *args, **kwargs) -> str:
@@ -192,11 +197,13 @@ def collective_ops(fn: Callable, *args, **kwargs) -> list[CollectiveOp]:
 
 
 def summarize(ops: list[CollectiveOp]) -> dict[str, dict[str, float]]:
-    """{kind: {"count", "bytes", "wire_bytes"}} for every kind in KINDS (zeros included)."""
-    stats = {k: {"count": 0, "bytes": 0, "wire_bytes": 0.0} for k in KINDS}
+    """{kind: {"count", "bytes", "wire_bytes", "in_conditional"}} for every kind in KINDS
+    (zeros included); in_conditional counts the executions that are upper bounds."""
+    stats = {k: {"count": 0, "bytes": 0, "wire_bytes": 0.0, "in_conditional": 0} for k in KINDS}
     for op in ops:
         s = stats[op.kind]
         s["count"] += op.executions
+        s["in_conditional"] += op.executions if op.conditional else 0
         s["bytes"] += op.bytes * op.executions
         s["wire_bytes"] += op.wire_bytes * op.executions
     for s in stats.values():

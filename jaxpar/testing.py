@@ -42,11 +42,3 @@ def max_abs_diff(a, b) -> float:
     diffs = jax.tree.map(lambda x, y: float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
                          if np.size(x) else 0.0, a, b)
     return max(jax.tree.leaves(diffs), default=0.0)
-
-
-def max_rel_diff(a, b) -> float:
-    """Largest |a - b| / max|b| per leaf: a scale-free error for the tour table."""
-    def rel(x, y):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        return float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-300)) if np.size(x) else 0.0
-    return max(jax.tree.leaves(jax.tree.map(rel, a, b)), default=0.0)

@@ -91,7 +91,11 @@ def run_checks(names: Iterable[str] | None = None) -> list[Row]:
     rows: list[Row] = []
     for name in names:
         start = time.perf_counter()
-        out = checks[name]()
+        try:
+            out = checks[name]()
+        except Exception as e:  # noqa: BLE001 - one broken technique must not hide the others
+            out = Row(technique=f"{name}: check raised", mesh="-", max_error=float("nan"), collectives="-",
+                      seconds=0.0, ok=False, note=f"{type(e).__name__}: {e}".splitlines()[0][:200])
         out = [out] if isinstance(out, Row) else list(out)
         elapsed = time.perf_counter() - start
         # A check that does not time itself gets the wall time of the whole call.

@@ -1,12 +1,17 @@
-"""Eight fake CPU devices for the whole test session, set before JAX starts its backends."""
+"""Eight fake CPU devices for the whole test session, set before JAX starts its backends.
 
+The tests run on the CPU backend even where an accelerator exists (they need 8 devices of
+one kind); the GPU checks are `jaxpar tour` and the benchmarks (benchmarks/all_backends.sh).
+"""
+
+import jax
 import pytest
 
 from jaxpar import mesh
 
-N_DEVICES = mesh.use_cpu_devices(8)  # XLA_FLAGS=--xla_force_host_platform_device_count wins
+jax.config.update("jax_platforms", "cpu")
 
-import jax  # noqa: E402
+N_DEVICES = mesh.use_cpu_devices(8)  # XLA_FLAGS=--xla_force_host_platform_device_count wins
 
 
 @pytest.fixture

@@ -92,3 +92,13 @@ def test_any_value_error_is_one_line_and_exit_2(monkeypatch, capsys):
     monkeypatch.setattr(tour, "run_checks", bad_mesh)
     assert cli.main(["verify", "tp"]) == 2
     _assert_one_line_error(capsys, "verify", "mesh dp=3 needs 3 devices")
+
+
+def test_output_cut_short_by_the_reader_is_not_an_error():
+    # `jaxpar schedule ... --json | head -1`: the pipe closes while jaxpar still writes.
+    proc = subprocess.Popen([sys.executable, "-m", "jaxpar", "schedule", "gpipe", "-p", "8", "-m", "256", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0 and "Traceback" not in err, err

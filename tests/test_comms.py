@@ -3,7 +3,7 @@
 Every expected figure is written from the shapes, by the convention of comms.py's docstring:
 all-reduce / reduce-scatter / all-to-all count the array each device hands in, all-gather
 the gathered (full) array, collective-permute the block each device sends; ops in loops
-count once per iteration; a conditional counts its costliest branch.
+count once per iteration; a conditional counts, per kind, its costliest branch.
 """
 
 import jax
@@ -41,7 +41,7 @@ def stats_of(fn, *args):
 def test_every_kind_is_reported_even_when_absent(m1):
     stats = comms.collective_stats(shard(lambda x: x * 2 + 1, m1), x_global())
     assert set(stats) == set(comms.KINDS)
-    assert all(v == {"count": 0, "bytes": 0, "wire_bytes": 0.0} for v in stats.values())
+    assert all(v == {"count": 0, "bytes": 0, "wire_bytes": 0.0, "in_conditional": 0} for v in stats.values())
     assert comms.format_stats(stats) == "-"
 
 
@@ -127,18 +127,19 @@ def test_while_loop_without_known_trip_count_is_an_error(m1):
         comms.collective_stats(shard(body, m1), x_global())
 
 
-def test_cond_counts_the_costliest_branch(m1):
+def test_cond_bounds_each_kind_by_its_branch(m1):
     def body(x):
         return jax.lax.cond(x.sum() > 0,
                             lambda x: x + jax.lax.psum(x, "dp"),                          # BLOCK
                             lambda x: jax.lax.all_gather(x, "dp", tiled=True)[:ROWS],     # N * BLOCK
                             x)
 
-    assert stats_of(shard(body, m1), x_global()) == {"all-gather": (1, N * BLOCK)}
+    assert stats_of(shard(body, m1), x_global()) == {"all-reduce": (1, BLOCK), "all-gather": (1, N * BLOCK)}
 
 
-def test_switch_takes_the_costliest_branch_whole(m1):
-    # Branch 1 moves 2 blocks in two ops; branch 0 one block; branch 2 nothing.
+def test_switch_takes_the_costliest_branch_per_kind(m1):
+    # Branch 0: one all-to-all; branch 1: an all-reduce and a permute; branch 2 nothing.
+    # Each kind counts its heaviest branch, so every kind that may run is bounded.
     def body(x):
         i = (x[0, 0] > 0).astype(jnp.int32)
         return jax.lax.switch(i, [
@@ -147,8 +148,34 @@ def test_switch_takes_the_costliest_branch_whole(m1):
             lambda x: x * 3,
         ], x)
 
-    got = stats_of(shard(body, m1), x_global())
-    assert got == {"all-reduce": (1, BLOCK), "collective-permute": (1, BLOCK)}
+    stats = comms.collective_stats(shard(body, m1), x_global())
+    assert comms.nonzero(stats) == {"all-to-all": (1, BLOCK), "all-reduce": (1, BLOCK),
+                                    "collective-permute": (1, BLOCK)}
+    assert all(v["in_conditional"] == v["count"] for v in stats.values())
+
+
+def test_nested_conditionals_in_a_scan_bound_every_kind(m1):
+    # switch(nothing | psum | all_gather) in a scan of 6: a per-branch maximum would drop
+    # the all-reduce; the per-kind bound keeps both kinds, 6 times each.
+    steps = 6
+
+    def body(x):
+        def step(c, i):
+            c = jax.lax.switch(i % 3, [
+                lambda c: c * 2,
+                lambda c: c + jax.lax.psum(c, "dp"),
+                lambda c: jax.lax.cond(c.sum() > 0,
+                                       lambda c: jax.lax.all_gather(c, "dp", tiled=True)[:ROWS],
+                                       lambda c: jax.lax.ppermute(c, "dp", RING), c),
+            ], c)
+            return c, None
+        return jax.lax.scan(step, x, jnp.arange(steps))[0]
+
+    stats = comms.collective_stats(shard(body, m1), x_global())
+    assert comms.nonzero(stats) == {"all-reduce": (steps, steps * BLOCK),
+                                    "all-gather": (steps, steps * N * BLOCK),
+                                    "collective-permute": (steps, steps * BLOCK)}
+    assert sum(v["in_conditional"] for v in stats.values()) == 3 * steps
 
 
 def test_scan_around_a_cond(m1):
@@ -275,7 +302,8 @@ def test_reader_on_gpu_style_hlo_text():
     assert (cp.bytes, cp.executions, cp.computation) == (BLOCK, 7, "body")  # known_trip_count 7
     assert (ag.bytes, ag.group_size, ag.executions) == (8 * BLOCK, 8, 1)
     stats = comms.summarize(list(ops.values()))
-    assert stats["collective-permute"] == {"count": 7, "bytes": 7 * BLOCK, "wire_bytes": 7.0 * BLOCK}
+    assert stats["collective-permute"] == {"count": 7, "bytes": 7 * BLOCK, "wire_bytes": 7.0 * BLOCK,
+                                           "in_conditional": 0}
 
 
 def test_reader_rejects_text_without_entry():

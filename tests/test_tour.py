@@ -117,3 +117,19 @@ def test_available_reports_a_missing_check_function(monkeypatch):
     monkeypatch.setattr(tour, "CHECKS", {"comms": "jaxpar.comms:no_such_check"})
     with pytest.raises(AttributeError, match="no_such_check"):
         tour.available()
+
+
+def test_a_check_that_raises_becomes_a_failed_row_and_the_others_still_run(monkeypatch, tmp_path):
+    (tmp_path / "jaxpar_fake_raising.py").write_text(textwrap.dedent("""
+        from jaxpar.tour import Row
+        def broken():
+            raise RuntimeError("boom\\nsecond line")
+        def fine():
+            return Row(technique="fine", mesh="-", max_error=0.0, collectives="-", seconds=0.0, ok=True)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(tour, "CHECKS", {"broken": "jaxpar_fake_raising:broken", "fine": "jaxpar_fake_raising:fine"})
+    rows = tour.run_checks()
+    sys.modules.pop("jaxpar_fake_raising", None)
+    assert [r.technique for r in rows] == ["broken: check raised", "fine"]
+    assert not rows[0].ok and rows[0].note == "RuntimeError: boom" and rows[1].ok

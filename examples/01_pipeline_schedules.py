@@ -12,7 +12,7 @@ import argparse
 import pathlib
 
 from jaxpar.pipeline import schedule
-from jaxpar.pipeline.schedule_lecture import LECTURE_TIMELINES
+from jaxpar.pipeline.schedule_lecture import LECTURE_TIMELINES, dualpipe_v_bubble, interleaved_bubble
 from jaxpar.pipeline.schedule_viz import percent
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -65,7 +65,7 @@ show(schedule.make("interleaved", 4, 8, chunks=2))
 for v in (1, 2, 4):
     s = schedule.make("interleaved", 4, 8, chunks=v) if v > 1 else schedule.make("1f1b", 4, 8)
     print(f"  v={v}: bubble {percent(s.bubble_fraction)} = (p-1)/(v*m+p-1) = "
-          f"{percent(schedule.interleaved_bubble(4, 8, v))}; idle/busy "
+          f"{percent(interleaved_bubble(4, 8, v))}; idle/busy "
           f"{sum(s.idle_time) / sum(s.busy_time):.4f} = (p-1)/(v*m) = {3 / (v * 8):.4f}; sends {len(s.sends)}")
 print()
 
@@ -94,7 +94,7 @@ show(schedule.make("dualpipe-v", 4, 8))
 for p, m in ((4, 8), (8, 32)):
     ref, zb, dv = (schedule.make(n, p, m) for n in ("1f1b", "zb-h1", "dualpipe-v"))
     print(f"  p={p}, m={m}: bubble {percent(dv.bubble_fraction)} = (p-1)/(6m+p-1) = "
-          f"{percent(schedule.dualpipe_v_bubble(p, m))} (ZB-H1 {percent(zb.bubble_fraction)}, 1F1B "
+          f"{percent(dualpipe_v_bubble(p, m))} (ZB-H1 {percent(zb.bubble_fraction)}, 1F1B "
           f"{percent(ref.bubble_fraction)}), back to back {percent(dv.steady_bubble_fraction)}; peak "
           f"{dv.peak_in_flight[0]} half-stage chunks on every device = 1F1B's {ref.peak_activations[0]} "
           f"stages; sends {len(dv.sends)} = 2x 1F1B's {len(ref.sends)}")

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxpar.pipeline import schedule as S
-from jaxpar.pipeline.schedule_lecture import LECTURE_TIMELINES
+from jaxpar.pipeline.schedule_lecture import LECTURE_TIMELINES, interleaved_bubble
 
 SEED = pathlib.Path("/work/shared/seed/000_c4f408be80accaec.txt")
 FAST = settings(max_examples=40, deadline=None)
@@ -119,7 +119,7 @@ def test_interleaved_bubble(p, k, v, f, b):
     assert bubble(s) == Fraction(p - 1, v * m + p - 1)
     idle, busy = sum(s.idle_time), sum(s.busy_time)
     assert Fraction(idle, busy) == Fraction(p - 1, v * m)  # Narayanan et al.'s (p-1)/(v m)
-    assert S.interleaved_bubble(p, m, v) == pytest.approx(float(bubble(s)))
+    assert interleaved_bubble(p, m, v) == pytest.approx(float(bubble(s)))
     check_dependencies(s)
 
 

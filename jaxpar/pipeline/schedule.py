@@ -7,7 +7,8 @@ B=1 for the input gradient and W=1 for the weight gradient), so `occupancy(devic
 gives what a device is busy with at every tick and `program(device)` its ordered
 actions with their start ticks. Everything else is read from that table: the bubble,
 the peak live activations, the sends between devices, the ASCII/PNG/Perfetto
-timelines (`schedule_viz`), the validator, and the JAX runtime (`runtime.py`).
+timelines (`schedule_viz`) and the validator; the planned JAX runtime (issue 5) will
+execute these tables.
 
 Generators give each device an ordered program and `schedule_orders.simulate` places
 every action at the earliest tick its device and its inputs allow, as a device with
@@ -23,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -84,7 +86,10 @@ class Schedule:
     device, per-kind `costs` in ticks, `split_backward` (B is input-gradient only, W the
     weight gradient), `actions[tick][device]` = the Action starting there, or None, and
     the `layout` of the chunks over the model (`stage_of`; one of LAYOUTS). Every reader
-    of the table, the runtime included, maps (device, chunk) to a stage through it."""
+    of the table (and the planned runtime, issue 5) maps (device, chunk) to a stage through it.
+
+    Construction checks the shape of the table (ValueError, or ScheduleError when an entry
+    is well formed but not an action of this schedule); `validate()` checks it can run."""
 
     name: str
     stages: int
@@ -96,10 +101,36 @@ class Schedule:
     layout: str = "interleaved"
 
     def __post_init__(self):
+        for what, n in (("stages p", self.stages), ("microbatches m", self.microbatches),
+                        ("chunks v", self.chunks)):
+            check_count(what, n)
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout {self.layout!r}: one of {', '.join(LAYOUTS)}")
         if self.layout == "v" and self.chunks != 2:
             raise ValueError(f"layout 'v' has 2 chunks per device (down and back up), not {self.chunks}")
+        kinds = "FBW" if self.split_backward else "FB"
+        if not isinstance(self.costs, Mapping) or set(self.costs) != set(kinds) \
+                or not all(is_whole(c) and c >= 1 for c in self.costs.values()):
+            example = DEFAULT_SPLIT_COSTS if self.split_backward else DEFAULT_COSTS
+            raise ValueError(f"costs {self.costs!r}: whole ticks >= 1 for exactly the kinds "
+                             f"{', '.join(kinds)} (split_backward={self.split_backward}), e.g. {example}")
+        for t, row in enumerate(self.actions):
+            if not isinstance(row, Sequence) or len(row) != self.stages:
+                raise ValueError(f"actions[{t}] = {row!r}: a row holds one entry per device, "
+                                 f"{self.stages} here (None where the device starts nothing)")
+            for d, a in enumerate(row):
+                if a is not None and not (isinstance(a, Action) and a.kind in ("F", "B", "W")
+                                          and is_whole(a.microbatch) and is_whole(a.chunk)):
+                    raise ValueError(f"actions[{t}][{d}] = {a!r}: an entry is None or Action(kind, "
+                                     f"microbatch, chunk), kind F, B or W, whole numbers for the "
+                                     f"others, e.g. Action('F', 0)")
+        for d, prog in enumerate(self._programs):
+            for t, a in prog:
+                if a.kind not in kinds or not 0 <= a.microbatch < self.microbatches \
+                        or not 0 <= a.chunk < self.chunks:
+                    raise ScheduleError(f"tick {t}, device {d}: {a!r} is not an action of this "
+                                        f"schedule (kinds {kinds}, microbatches < {self.microbatches}, "
+                                        f"chunks < {self.chunks})", self, t, d)
 
     @property
     def virtual_stages(self) -> int:
@@ -120,7 +151,8 @@ class Schedule:
         return stage % self.stages, stage // self.stages
 
     def cost(self, action: Action) -> int:
-        """Ticks `action` occupies; a kind without a cost (an invalid table) draws as one."""
+        """Ticks `action` occupies; a W without the split, which construction rejects,
+        draws as one tick in the error's timeline."""
         return self.costs.get(action.kind, 1)
 
     # ---- the table, read three ways ----------------------------------------------
@@ -223,8 +255,8 @@ class Schedule:
     @functools.cached_property
     def peak_in_flight(self) -> list[int]:
         """Per device, the most microbatch-chunks whose weight gradient is still to come
-        (from F to the end of W; equals `peak_activations` without the backward split).
-        This is the number of slots a runtime keeps for the vjp residuals."""
+        (from F to the end of W; equals `peak_activations` without the backward split):
+        the slots for vjp residuals that the planned runtime (issue 5) will keep."""
         return self._peak("W" if self.split_backward else "B")
 
     @functools.cached_property
@@ -279,17 +311,13 @@ class Schedule:
     # ---- validation -----------------------------------------------------------------
 
     def validate(self) -> Schedule:
-        """Raise ScheduleError unless the table can run: known kinds and indices, one
-        action at a time per device, every action exactly once, no deadlock with
-        blocking receives, and each action starting after the actions it needs ended."""
+        """Raise ScheduleError unless the table can run: one action at a time per device,
+        every action exactly once, no deadlock with blocking receives, and each action
+        starting after the actions it needs ended (construction checked kinds and indices)."""
+        from jaxpar.pipeline.schedule_orders import find_deadlock  # it imports this module
+
         kinds = "FBW" if self.split_backward else "FB"
         for d, prog in enumerate(self._programs):
-            for t, a in prog:
-                if a.kind not in kinds or not 0 <= a.microbatch < self.microbatches \
-                        or not 0 <= a.chunk < self.chunks:
-                    raise ScheduleError(f"tick {t}, device {d}: {a!r} is not an action of this "
-                                        f"schedule (kinds {kinds}, microbatches < {self.microbatches}, "
-                                        f"chunks < {self.chunks})", self, t, d)
             for (t0, a0), (t1, a1) in zip(prog, prog[1:]):
                 if t0 + self.cost(a0) > t1:
                     raise ScheduleError(f"tick {t1}, device {d}: {a1} starts while {a0} "
@@ -328,37 +356,19 @@ class Schedule:
         return action.kind, action.microbatch, self.stage_of(device, action.chunk)
 
 
-def find_deadlock(programs: Sequence[Sequence[Action]], shape: Schedule) -> list[tuple[int, Action]]:
-    """A cycle of the wait-for graph, as [(device, action), ...], or [] if none.
+def is_whole(n) -> bool:
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool)
 
-    Each action waits for the one before it on its device and for the actions whose
-    results it receives (`Schedule.inputs`); a receive blocks until the producer ran.
-    Iterative depth-first search, so p=8, m=32, v=4 stays well under a millisecond a node."""
-    node = {shape._key(d, a): (d, j) for d, p in enumerate(programs) for j, a in enumerate(p)}
 
-    def waits_for(d: int, j: int) -> list[tuple[int, int]]:
-        out = [(d, j - 1)] if j else []
-        return out + [node[k] for k in shape.inputs(d, programs[d][j]) if k in node]
-
-    state: dict[tuple[int, int], int] = {}  # 1 on the DFS path, 2 done
-    for root in node.values():
-        if root in state:
-            continue
-        path, stack = [root], [iter(waits_for(*root))]
-        state[root] = 1
-        while stack:
-            nxt = next(stack[-1], None)
-            if nxt is None:
-                state[path.pop()] = 2
-                stack.pop()
-            elif state.get(nxt) == 1:
-                cycle = path[path.index(nxt):]
-                return [(d, programs[d][j]) for d, j in cycle]
-            elif nxt not in state:
-                state[nxt] = 1
-                path.append(nxt)
-                stack.append(iter(waits_for(*nxt)))
-    return []
+def check_count(what: str, n) -> None:
+    """Raise ValueError unless `n` ("stages p", "microbatches m" or "chunks v") is a whole
+    number >= 1: True, 2.0 and "4" are not."""
+    field, flag = what.split()[0], "-" + what[-1]
+    if not is_whole(n):
+        raise ValueError(f"{what}={n!r} is a {type(n).__name__}, not a whole number: give one "
+                         f">= 1, e.g. {field}=4 ({flag} 4)")
+    if n < 1:
+        raise ValueError(f"{what}={n}: need at least 1 ({flag} 1 or more)")
 
 
 def make(name: str, stages: int, microbatches: int, chunks: int | None = None,
@@ -367,22 +377,9 @@ def make(name: str, stages: int, microbatches: int, chunks: int | None = None,
 
     chunks: model chunks per device, interleaved only (default 2 there, 1 elsewhere).
     costs: ticks per kind, overriding F=1, B=2 (F=B=W=1 for the split ones, SPLIT).
-    Bad input (p or m < 1, interleaved m not a multiple of p, zero-bubble m < p,
-    dualpipe-v m < 2p-1, an unknown name, a bad cost) raises ValueError saying how to fix it."""
+    Bad input (p, m or v not a whole number >= 1 (True, 2.0, "4"), interleaved m not a multiple
+    of p, zero-bubble m < p, dualpipe-v m < 2p-1, an unknown name, a bad cost) raises ValueError
+    naming the value and how to fix it."""
     from jaxpar.pipeline import schedule_orders  # it imports Action and Schedule from here
 
     return schedule_orders.build(name, stages, microbatches, chunks, costs)
-
-
-def interleaved_bubble(p: int, m: int, v: int) -> float:
-    """The bubble of jaxpar's interleaved tables, for any F and B costs: total time is
-    (v*m + p - 1)(F + B), so idle/total = (p-1)/(v*m + p-1), i.e. idle/busy = (p-1)/(v*m),
-    Narayanan et al.'s figure (they divide by the ideal time)."""
-    return (p - 1) / (v * m + p - 1)
-
-
-def dualpipe_v_bubble(p: int, m: int) -> float:
-    """The bubble of jaxpar's dualpipe-v tables at F=B=W=1 (m >= 2p-1): each device works
-    6m ticks without a gap from tick d, so total time 6m + p - 1 and idle/total =
-    (p-1)/(6m+p-1); back to back, 0."""
-    return (p - 1) / (6 * m + p - 1)

@@ -3,6 +3,7 @@
 Sections 2.1-2.3 print three timelines for p=4 (naive m=1, GPipe m=8, 1F1B m=8) with their
 bubble fractions and 1F1B's peak activations; `LECTURE_TIMELINES` holds them verbatim,
 and tests and the tour compare `schedule.make(...)` against them character for character.
+`interleaved_bubble` and `dualpipe_v_bubble` are the closed forms the tables are checked against.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import time
 
 from jaxpar.pipeline import schedule_viz
-from jaxpar.pipeline.schedule import dualpipe_v_bubble, interleaved_bubble, make
+from jaxpar.pipeline.schedule import make
 
 # The lecture's section 2.1-2.3 timelines (p=4, F=1, B=2), its bubble figures as printed
 # (rounded to 0.1%) and 1F1B's peak activations. Tests and the tour both read this.
@@ -25,6 +26,19 @@ LECTURE_TIMELINES: dict[str, dict] = {
         "..01..aa2bb3cc4dd5ee6ff7gg.hh....", "...0aa1bb2cc3dd4ee5ff6gg7hh......"]},
 }
 
+
+def interleaved_bubble(p: int, m: int, v: int) -> float:
+    """The bubble of jaxpar's interleaved tables, for any F and B costs: total time is
+    (v*m + p - 1)(F + B), so idle/total = (p-1)/(v*m + p-1), i.e. idle/busy = (p-1)/(v*m),
+    Narayanan et al.'s figure (they divide by the ideal time)."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def dualpipe_v_bubble(p: int, m: int) -> float:
+    """The bubble of jaxpar's dualpipe-v tables at F=B=W=1 (m >= 2p-1): each device works
+    6m ticks without a gap from tick d, so total time 6m + p - 1 and idle/total =
+    (p-1)/(6m+p-1); back to back, 0."""
+    return (p - 1) / (6 * m + p - 1)
 
 
 def tour_check():

@@ -2,9 +2,10 @@
 simulator that times them.
 
 A generator returns one list of `Action`s per device; `simulate` turns the lists into
-the timed table of a `Schedule`, and `build` (behind `schedule.make`) checks the request
-first. The orders are the published ones: GPipe (Huang et al. 2019), 1F1B
-/ PipeDream-Flush (Narayanan et al. 2021), Megatron's interleaved 1F1B (Narayanan et al.
+the timed table of a `Schedule`, `find_deadlock` names the cycle when they cannot run
+(the validator uses it too), and `build` (behind `schedule.make`) checks the request
+first. The orders are the published ones: GPipe (Huang et al. 2019), 1F1B /
+PipeDream-Flush (Narayanan et al. 2021), Megatron's interleaved 1F1B (Narayanan et al.
 2021, virtual stage = chunk*p + device) and the handcrafted ZB-H1 / ZB-H2 of Qi et al.
 2023 ("Zero Bubble Pipeline Parallelism"), whose backward is split into B (input
 gradient, which the previous stage waits for) and W (weight gradient, which nobody waits
@@ -18,7 +19,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 from jaxpar.pipeline.schedule import (DEFAULT_COSTS, DEFAULT_SPLIT_COSTS, KNOWN, SPLIT, Action, Key,
-                                      Schedule, find_deadlock)
+                                      Schedule, check_count, is_whole)
 
 
 def naive(p: int, m: int, v: int) -> list[list]:
@@ -154,6 +155,39 @@ PROGRAMS: dict[str, Callable[[int, int, int], list[list]]] = {
 LAYOUT = {"dualpipe-v": "v"}  # the others: "interleaved" (stage = chunk*p + device)
 
 
+def find_deadlock(programs: Sequence[Sequence[Action]], shape: Schedule) -> list[tuple[int, Action]]:
+    """A cycle of the wait-for graph, as [(device, action), ...], or [] if none.
+
+    Each action waits for the one before it on its device and for the actions whose
+    results it receives (`Schedule.inputs`); a receive blocks until the producer ran.
+    Iterative depth-first search, so p=8, m=32, v=4 stays well under a millisecond a node."""
+    node = {shape._key(d, a): (d, j) for d, p in enumerate(programs) for j, a in enumerate(p)}
+
+    def waits_for(d: int, j: int) -> list[tuple[int, int]]:
+        out = [(d, j - 1)] if j else []
+        return out + [node[k] for k in shape.inputs(d, programs[d][j]) if k in node]
+
+    state: dict[tuple[int, int], int] = {}  # 1 on the DFS path, 2 done
+    for root in node.values():
+        if root in state:
+            continue
+        path, stack = [root], [iter(waits_for(*root))]
+        state[root] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                cycle = path[path.index(nxt):]
+                return [(d, programs[d][j]) for d, j in cycle]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(waits_for(*nxt)))
+    return []
+
+
 def simulate(name: str, stages: int, microbatches: int, chunks: int, costs: Mapping[str, int],
              split_backward: bool, programs: Sequence[Sequence[Action]],
              layout: str = "interleaved") -> Schedule:
@@ -199,7 +233,7 @@ def build(name: str, stages: int, microbatches: int, chunks: int | None,
         if kind not in full:
             raise ValueError(f"cost {kind}={c}: {name} has kinds {', '.join(full)} only"
                              + ("" if split else f" (W exists only with the split backward: {', '.join(SPLIT)})"))
-        if not isinstance(c, int) or c < 1:
+        if not is_whole(c) or c < 1:
             raise ValueError(f"cost {kind}={c}: costs are whole ticks >= 1, e.g. {kind}=1")
         full[kind] = c
     programs = PROGRAMS[name](stages, microbatches, chunks)
@@ -208,10 +242,8 @@ def build(name: str, stages: int, microbatches: int, chunks: int | None,
 
 
 def _check_shape(name: str, p: int, m: int, v: int) -> None:
-    if p < 1:
-        raise ValueError(f"stages p={p}: a pipeline needs at least 1 stage (-p 1 or more)")
-    if m < 1:
-        raise ValueError(f"microbatches m={m}: need at least 1 microbatch (-m 1 or more)")
+    for what, n in (("stages p", p), ("microbatches m", m), ("chunks v", v)):
+        check_count(what, n)
     if name == "interleaved":
         if v < 2:
             raise ValueError(f"interleaved with chunks v={v}: use -v 2 or more (v=1 is 1f1b)")

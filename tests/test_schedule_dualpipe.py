@@ -132,7 +132,8 @@ def test_runs_with_any_costs(p, extra, f, b, w):
 def test_p4_m8_figures():
     s = S.make("dualpipe-v", 4, 8)
     assert s.total_time == 51 and s.ascii().splitlines()[0].startswith(
-        "DualPipe-V (p=4, m=8, v=2 in a V): bubble 5.9%, total time 51, peak activations per device "
+        "DualPipe-V (p=4, m=8, v=2 in a V): bubble 5.9%, total time 51, peak activations "
+        "(microbatch-chunks, 1/2 stage each) per device "
         "[8, 8, 8, 8], in flight until W [8, 8, 8, 8]; back to back: bubble 0%")
     rows = s.ascii().splitlines()
     assert rows[7] == "  device 3: ...00112233aA4aA4bB5bB5cC6cC6dD7dD7eeffgghhEEFFGGHH"

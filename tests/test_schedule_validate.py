@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -211,6 +212,33 @@ def test_cli_all_and_outputs(capsys, tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG" and b"traceEvents" in trace.read_bytes()
     assert cli.main(["schedule", "gpipe", "-p", "2", "-m", "2", "--json"]) == 0
     assert '"total_time": 9' in capsys.readouterr().out
+
+
+def test_cli_all_states_its_units(capsys):
+    # chunked schedules count chunk-sized ticks and activations; time/v and peak/v put every
+    # row in stage units (p=8, m=64: interleaved 405 ticks = 202.5 stage ticks, 23 chunks = 11.5)
+    assert cli.main(["schedule", "--all", "-p", "8", "-m", "64"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "F=1, B=2" in out[0] and "split backward (B = input gradient only) F=1, B=1, W=1" in out[0]
+    assert "time/v" in out[3] and "peak/v" in out[3]
+    row = {line.split()[0]: line for line in out[4:]}
+    assert row["interleaved"].split()[4:8] == ["405", "202.5", "1920", "11.5"]
+    assert row["interleaved"].endswith("microbatch-chunks") and row["dualpipe-v"].endswith("microbatch-chunks")
+    assert row["dualpipe-v"].split()[4:8] == ["391", "195.5", "1792", "8"]
+    assert row["1f1b"].split()[3:7] == ["213", "213", "896", "8"] and "chunks" not in row["1f1b"]
+    assert cli.main(["schedule", "--all", "-p", "4", "-m", "8", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["interleaved"]["units"]["peaks"].startswith("microbatch-chunks")
+    assert rows["interleaved"]["stage_time"] == rows["interleaved"]["total_time"] / 2
+    assert rows["1f1b"]["units"]["peaks"] == "microbatches" and rows["1f1b"]["peak_stage_equivalent"] == 4
+
+
+def test_cli_costs_help_says_what_b_and_w_are(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["schedule", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "B is the input gradient only" in help_text and "F=1,B=2 means B=2 plus W=1" in help_text
+    assert "Qi et al.'s handcrafted orders, designed for F=B=W" in help_text
 
 
 def test_tour_rows_all_ok():

@@ -89,7 +89,8 @@ class Schedule:
     of the table (and the planned runtime, issue 5) maps (device, chunk) to a stage through it.
 
     Construction checks the shape of the table (ValueError, or ScheduleError when an entry
-    is well formed but not an action of this schedule); `validate()` checks it can run."""
+    is well formed but not an action of this schedule); `validate()` checks it can run.
+    A chunk (v > 1) is 1/v of a device's model: `costs` are ticks per action on one chunk."""
 
     name: str
     stages: int
@@ -151,8 +152,8 @@ class Schedule:
         return stage % self.stages, stage // self.stages
 
     def cost(self, action: Action) -> int:
-        """Ticks `action` occupies; a W without the split, which construction rejects,
-        draws as one tick in the error's timeline."""
+        """Ticks `action` occupies (on one chunk: 1/v of a stage's work); a W without the
+        split, which construction rejects, draws as one tick in the error's timeline."""
         return self.costs.get(action.kind, 1)
 
     # ---- the table, read three ways ----------------------------------------------
@@ -248,8 +249,9 @@ class Schedule:
 
     @functools.cached_property
     def peak_activations(self) -> list[int]:
-        """Per device, the most microbatch-chunks live at once, a microbatch's activation
-        living from the start of its F to the end of its B (input gradient)."""
+        """Per device, the most microbatch-chunks live at once (microbatches when v = 1; a
+        chunk's activation is 1/v of a stage's), from the start of its F to the end of its B
+        (input gradient)."""
         return self._peak("B")
 
     @functools.cached_property
@@ -288,7 +290,9 @@ class Schedule:
             "name": self.name, "stages": self.stages, "microbatches": self.microbatches,
             "chunks": self.chunks, "layout": self.layout, "costs": dict(self.costs),
             "split_backward": self.split_backward,
-            "total_time": self.total_time, "bubble_fraction": self.bubble_fraction,
+            "units": units(self.chunks),
+            "total_time": self.total_time, "stage_time": self.total_time / self.chunks,
+            "bubble_fraction": self.bubble_fraction,
             "steady_bubble_fraction": self.steady_bubble_fraction,
             "peak_activations": self.peak_activations, "peak_in_flight": self.peak_in_flight,
             "programs": [[{"tick": t, "kind": a.kind, "microbatch": a.microbatch, "chunk": a.chunk,
@@ -369,6 +373,16 @@ def check_count(what: str, n) -> None:
                          f">= 1, e.g. {field}=4 ({flag} 4)")
     if n < 1:
         raise ValueError(f"{what}={n}: need at least 1 ({flag} 1 or more)")
+
+
+def units(chunks: int) -> dict[str, str]:
+    """What the figures count: with v chunks per device, an action runs on one chunk, 1/v
+    of a stage, so ticks and live activations are chunk-sized; divide by v for stages."""
+    if chunks == 1:
+        return {"time": "ticks (costs per action on a whole stage)", "peaks": "microbatches"}
+    return {"time": f"ticks (costs per action on one chunk, 1/{chunks} of a stage; stage_time = "
+                    f"total_time / {chunks})",
+            "peaks": f"microbatch-chunks (each 1/{chunks} of a stage's activations)"}
 
 
 def make(name: str, stages: int, microbatches: int, chunks: int | None = None,

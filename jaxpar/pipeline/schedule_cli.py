@@ -7,6 +7,10 @@
     jaxpar schedule --all -p 8 -m 64               every schedule side by side
     jaxpar schedule gpipe --json | --png t.png | --trace t.json   (Perfetto: ui.perfetto.dev)
 
+Time is in ticks of one action, peaks in live microbatches; interleaved and dualpipe-v run
+each action on one chunk, 1/v of a stage, so there ticks and peaks are chunk-sized and
+`--all` also gives them divided by v (stage units) to compare with the others.
+
 Pure Python: no JAX start-up; matplotlib only for --png.
 """
 
@@ -19,6 +23,12 @@ import textwrap
 from jaxpar.pipeline import schedule, schedule_viz
 
 HELP = "pipeline schedules as data: timelines, bubble, peak activations (lecture section 2)"
+COSTS_HELP = (
+    "ticks per action kind, per chunk for interleaved and dualpipe-v (default F=1,B=2). "
+    "zb-h1, zb-h2 and dualpipe-v split the backward: there B is the input gradient only and W "
+    "the weight gradient (default F=1,B=1,W=1; W keeps 1 unless given, so F=1,B=2 means B=2 "
+    "plus W=1). zb-h1 and zb-h2 are Qi et al.'s handcrafted orders, designed for F=B=W; with "
+    "other costs they still run, but are not the orders Qi et al.'s scheduler would pick.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,8 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches m (default 8)")
     parser.add_argument("-v", "--chunks", type=int, default=None,
                         help="model chunks per device, interleaved only (default 2; dualpipe-v: 2)")
-    parser.add_argument("--costs", default=None, metavar="F=1,B=2[,W=1]",
-                        help="ticks per action kind (default F=1,B=2; zb-*, dualpipe-v: F=1,B=1,W=1)")
+    parser.add_argument("--costs", default=None, metavar="F=1,B=2[,W=1]", help=COSTS_HELP)
     parser.add_argument("--all", action="store_true", help="compare every schedule for this p and m")
     parser.add_argument("--json", action="store_true", help="print the schedule (table, stats, sends) as JSON")
     parser.add_argument("--png", metavar="PATH", help="write a timeline figure")
@@ -61,15 +70,22 @@ def compare(p: int, m: int, v: int | None, costs: dict[str, int] | None) -> list
             out.append({"name": name, "error": str(e)})
             continue
         d = s.to_dict()
-        out.append({k: d[k] for k in ("name", "chunks", "costs", "total_time", "bubble_fraction",
-                                      "steady_bubble_fraction", "peak_activations", "peak_in_flight")}
-                   | {"sends": len(s.sends)})
+        out.append({k: d[k] for k in ("name", "chunks", "costs", "units", "total_time", "stage_time",
+                                      "bubble_fraction", "steady_bubble_fraction", "peak_activations",
+                                      "peak_in_flight")}
+                   | {"peak_stage_equivalent": max(s.peak_activations) / s.chunks, "sends": len(s.sends)})
     return out
 
 
 def format_comparison(p: int, m: int, rows: list[dict]) -> str:
-    lines = [f"p={p}, m={m}",
-             f"  {'schedule':<16} {'bubble':>7} {'back2back':>9} {'time':>5} {'sends':>5}  peak activations / in flight until W"]
+    costs = {r["name"] in schedule.SPLIT: r["costs"] for r in rows if "error" not in r}
+    said = {False: "ticks per action ", True: "split backward (B = input gradient only) "}
+    lines = [f"p={p}, m={m}; " + "; ".join(said[split] + ", ".join(f"{k}={c}" for k, c in ks.items())
+                                           for split, ks in sorted(costs.items())),
+             "v > 1 runs each action on one chunk, 1/v of a stage, so time and peaks count chunk-sized",
+             "units there; time/v and peak/v (most live on a device) are in stage units for every row",
+             f"  {'schedule':<16} {'bubble':>7} {'back2back':>9} {'time':>5} {'time/v':>6} {'sends':>5} "
+             f"{'peak/v':>6}  peak live per device / in flight until W"]
     for r in rows:
         if "error" in r:
             lines.append(f"  {r['name']:<16} cannot run: {r['error']}")
@@ -78,9 +94,10 @@ def format_comparison(p: int, m: int, rows: list[dict]) -> str:
         peaks = str(r["peak_activations"])
         if r["peak_in_flight"] != r["peak_activations"]:
             peaks += f" / {r['peak_in_flight']}"
+        peaks += " microbatch-chunks" if r["chunks"] > 1 else ""
         lines.append(f"  {name:<16} {schedule_viz.percent(r['bubble_fraction']):>7} "
                      f"{schedule_viz.percent(r['steady_bubble_fraction']):>9} {r['total_time']:>5} "
-                     f"{r['sends']:>5}  {peaks}")
+                     f"{r['stage_time']:>6g} {r['sends']:>5} {r['peak_stage_equivalent']:>6g}  {peaks}")
     return "\n".join(lines)
 
 

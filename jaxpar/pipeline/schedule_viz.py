@@ -63,7 +63,9 @@ def header(s: Schedule) -> str:
     dims = (f"p={s.stages}, m={s.microbatches}" + (f", v={s.chunks}" if s.chunks > 1 else "")
             + (" in a V" if s.layout == "v" else ""))
     out = (f"{DISPLAY.get(s.name, s.name)} ({dims}): bubble {percent(s.bubble_fraction)}, "
-           f"total time {s.total_time}, peak activations per {word} {s.peak_activations}")
+           f"total time {s.total_time}, peak activations "
+           + (f"(microbatch-chunks, 1/{s.chunks} stage each) " if s.chunks > 1 else "")
+           + f"per {word} {s.peak_activations}")
     if s.split_backward:
         out += f", in flight until W {s.peak_in_flight}"
     if abs(s.steady_bubble_fraction - s.bubble_fraction) > 1e-9:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-import time
+import re
 from fractions import Fraction
 
 import pytest
@@ -15,8 +15,35 @@ from hypothesis import strategies as st
 
 from jaxpar.pipeline import schedule as S
 from jaxpar.pipeline.schedule_lecture import LECTURE_TIMELINES, interleaved_bubble
+from jaxpar.pipeline.schedule_viz import percent
 
-SEED = pathlib.Path("/work/shared/seed/000_c4f408be80accaec.txt")
+# The lecture text sits in shared/ beside the repository (a CI clone has a copy there too).
+SEED_NAME = "seed/000_c4f408be80accaec.txt"
+SEED = next((d / SEED_NAME for d in (pathlib.Path(__file__).resolve().parents[2] / "shared",
+                                     pathlib.Path("/work/shared")) if (d / SEED_NAME).exists()), None)
+
+# Sections 2.1-2.3 of the lecture, copied verbatim (figure title and rows), so that the check
+# against a copy independent of schedule_lecture.LECTURE_TIMELINES never skips.
+LECTURE_TEXT = {
+    "naive": """\
+朴素（m = 1）：气泡 75%
+  阶段 0：0.........aa
+  阶段 1：.0......aa..
+  阶段 2：..0...aa....
+  阶段 3：...0aa......""",
+    "gpipe": """\
+GPipe（m = 8）：气泡 27.3%
+  阶段 0：01234567.........aabbccddeeffgghh
+  阶段 1：.01234567......aabbccddeeffgghh..
+  阶段 2：..01234567...aabbccddeeffgghh....
+  阶段 3：...01234567aabbccddeeffgghh......""",
+    "1f1b": """\
+1F1B（m = 8）：气泡 27.3%，各阶段最多同时保存 [4, 3, 2, 1] 份激活值
+  阶段 0：0123......aa4bb5cc6dd7ee.ff.gg.hh
+  阶段 1：.012....aa3bb4cc5dd6ee7ff.gg.hh..
+  阶段 2：..01..aa2bb3cc4dd5ee6ff7gg.hh....
+  阶段 3：...0aa1bb2cc3dd4ee5ff6gg7hh......""",
+}
 FAST = settings(max_examples=40, deadline=None)
 
 
@@ -69,12 +96,24 @@ def test_lecture_timelines_character_for_character(name):
     assert abs(float(bubble(s)) - fig["bubble"]) < 5e-4
 
 
-@pytest.mark.skipif(not SEED.exists(), reason="lecture text not in this checkout")
-def test_lecture_rows_are_the_lectures():
+@pytest.mark.parametrize("name", list(LECTURE_TEXT))
+def test_timelines_equal_the_lecture_text(name):
+    title, *lines = LECTURE_TEXT[name].splitlines()
+    rows = [re.fullmatch(r"  阶段 (\d)：(\S+)", line).group(2) for line in lines]
+    m = int(re.search(r"m = (\d+)", title).group(1))
+    s = S.make(name, stages=4, microbatches=m)
+    assert s.ascii().splitlines()[1:] == [f"  stage {d}: {r}" for d, r in enumerate(rows)]
+    assert f"气泡 {percent(s.bubble_fraction)}" in title
+    peaks = re.search(r"\[[\d, ]+\]", title)
+    assert peaks is None or str(s.peak_activations) == peaks.group(0)
+    assert rows == LECTURE_TIMELINES[name]["rows"]
+
+
+@pytest.mark.skipif(SEED is None, reason=f"lecture text ({SEED_NAME}) not in shared/ beside this checkout")
+def test_vendored_lecture_text_is_the_lectures():
     text = SEED.read_text()
-    for fig in LECTURE_TIMELINES.values():
-        for d, row in enumerate(fig["rows"]):
-            assert f"阶段 {d}：{row}" in text
+    for block in LECTURE_TEXT.values():
+        assert block in text
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -163,13 +202,6 @@ def test_zb_h2_with_few_microbatches_still_runs():
 def test_every_generator_passes_an_independent_check(name):
     for p, m in [(1, 1), (2, 4), (4, 8), (3, 9)]:
         check_dependencies(S.make(name, p, m) if name != "interleaved" else S.make(name, p, p * 2, 2))
-
-
-def test_fast_enough():
-    t0 = time.perf_counter()
-    for name in S.KNOWN:
-        S.make(name, 8, 32, 4 if name == "interleaved" else None)
-    assert time.perf_counter() - t0 < 2.0
 
 
 # ---- the table's other readings -------------------------------------------------------

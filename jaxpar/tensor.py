@@ -18,9 +18,10 @@ the replicated norm gains go through f so their gradients are all-reduced over t
 residual stream) are then 1/t of TP's (benchmarks/tensor.py measures it). Autodiff still
 keeps the gathered input of each column-parallel layer for the weight gradient, whole;
 Megatron re-gathers it in the backward instead (Korthikanti et al. 2022, sec. 4.2.2). We
-do not: on CPU, XLA CSEs a re-gather (jax.checkpoint, or an optimization barrier in a
-custom_vjp) with the forward all-gather (measured: the same program), so it would be a
-no-op there.
+do not, because on XLA:CPU a re-gather (jax.checkpoint, or an optimization barrier in a
+custom_vjp) is CSE'd with the forward all-gather: measured there, the same program. That
+is one backend's choice, not measured on GPU or TPU, where the re-gather may survive and
+pay off.
 
 Per device and layer, a ring all-reduce of b*s*h elements sends 2(t-1)/t of them, so TP
 sends 4 * 2(t-1)/t * b*s*h = 8*b*s*h*(t-1)/t elements per layer (forward + backward);
@@ -44,8 +45,6 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import reference
 from jaxpar.collectives import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
 from jaxpar.mesh import DP, TP
-
-BLOCK_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_up", "w_gate", "w_down")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,6 +80,41 @@ class TPSpecs:
                  "wo": self.wo_nhd, "mlp_norm": self.mlp_norm_d, "w_up": self.w_up_df,
                  "w_gate": self.w_gate_df, "w_down": self.w_down_fd}
         return {k: table[k] for k in p}
+
+
+def block_param_shapes(cfg: reference.ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of each of one block's params (reference.layer_params) under `cfg`."""
+    D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+    shapes = {"attn_norm": (D,), "wq": (D, N, H), "wk": (D, K, H), "wv": (D, K, H), "wo": (N, H, D),
+              "mlp_norm": (D,), "w_up": (D, F), "w_down": (F, D)}
+    return shapes | ({"w_gate": (D, F)} if cfg.mlp == "swiglu" else {})
+
+
+def check_block_inputs(params: dict, x, cfg: reference.ModelConfig) -> None:
+    """ValueError, naming the value, the constraint and a fix, if one block's `params` or
+    x[B, T, D] do not fit `cfg` (checked on shapes, before any compute)."""
+    layer = "Fix: pass one layer's params, reference.layer_params(params, i)"
+    if "blocks" in params:
+        raise ValueError(f"params has keys {sorted(params)}: the whole model, but tp_block runs one block. {layer}")
+    want = block_param_shapes(cfg)
+    missing, extra = sorted(set(want) - set(params)), sorted(set(params) - set(want))
+    if missing or extra:
+        raise ValueError(f"block params {sorted(params)} do not fit cfg (mlp={cfg.mlp!r}; SwiGLU has w_gate, "
+                         f"GeLU does not): missing {missing}, unexpected {extra}. Fix: build the params with "
+                         "reference.init_params(key, cfg) for this cfg, or set mlp to match them")
+    for k, shape in want.items():
+        got = tuple(params[k].shape)
+        if got != shape and got[1:] == shape:
+            raise ValueError(f"params[{k!r}] has shape {got}, one block's is {shape}: a leading layer axis, "
+                             f"the stacked params['blocks']. {layer}")
+        if got != shape:
+            raise ValueError(f"params[{k!r}] has shape {got}, cfg gives {shape} (D={cfg.d_model}, "
+                             f"N={cfg.n_heads}, K={cfg.n_kv_heads}, H={cfg.head_dim}, F={cfg.d_ff}). "
+                             "Fix: use the cfg the params were built with")
+    if x.ndim != 3 or x.shape[-1] != cfg.d_model:
+        raise ValueError(f"x has shape {tuple(x.shape)}; tp_block takes x[B, T, D] with D = cfg.d_model = "
+                         f"{cfg.d_model}. Fix: pass a [batch, sequence, {cfg.d_model}] array (x[None] adds "
+                         "a batch axis)")
 
 
 def _divisors(n: int) -> str:
@@ -216,14 +250,12 @@ def tp_block(params: dict, x, *, mesh: Mesh, cfg: reference.ModelConfig,
         raise ValueError(f"tp_block needs a mesh with a '{TP}' axis; got axes {tuple(mesh.shape)}. "
                          "Fix: jaxpar.mesh.make_mesh(tp=..., dp=...)")
     t = mesh.shape[TP]
-    check_tp(cfg, t, seq=x.shape[1], sequence_parallel=sequence_parallel)
+    check_tp(cfg, t, seq=x.shape[1] if x.ndim == 3 else None, sequence_parallel=sequence_parallel)
+    check_block_inputs(params, x, cfg)
     dp = mesh.shape.get(DP, 1)
     if x.shape[0] % dp:
         raise ValueError(f"batch B={x.shape[0]} is not divisible by dp={dp}. Fix: use a batch that is a "
                          f"multiple of {dp}")
-    unknown = set(params) - set(BLOCK_KEYS)
-    if unknown:
-        raise ValueError(f"unexpected block params {sorted(unknown)}; pass reference.layer_params(params, i)")
     specs = TPSpecs.megatron(n_kv_heads=cfg.n_kv_heads, tp=t, sequence_parallel=sequence_parallel,
                              data_axis=DP if dp > 1 else None)
     body = partial(block_shard, cfg=cfg, axis=TP, sequence_parallel=sequence_parallel)
@@ -270,6 +302,9 @@ def tp_block_collectives(cfg: reference.ModelConfig, batch: int, seq: int, dtype
           combiner's choice (it does with SP, not with TP on CPU), so for that case only
           the bytes are a contract.
     With tp = 1 there are no tp collectives.
+    Bytes are those of `dtype`, what the program asks for. XLA:CPU runs bf16 collectives
+    in f32 (it converts around them), so in bf16 every kind measures twice these bytes on
+    CPU (measured); other backends are not measured here.
     """
     item = jnp.dtype(dtype).itemsize
     act = batch // dp * seq * cfg.d_model * item
@@ -338,9 +373,9 @@ def row_split_gelu_error(*, mesh: Mesh, batch: int = 16, d_model: int = 64, d_ff
 def tour_check_tp():
     """The TP block against reference.block: output, input and all parameter gradients,
     collectives vs tp_block_collectives; the row-split GeLU counterexample; and the
-    vocabulary-parallel cross-entropy."""
-    from jaxpar.tensor_checks import check_block, check_counterexample, check_vocab_cross_entropy
-    return [check_block(sequence_parallel=False), check_counterexample(), check_vocab_cross_entropy()]
+    vocabulary-parallel embedding and LM head with its cross-entropy."""
+    from jaxpar.tensor_checks import check_block, check_counterexample, check_vocab
+    return [check_block(sequence_parallel=False), check_counterexample(), check_vocab()]
 
 
 def tour_check_sp():

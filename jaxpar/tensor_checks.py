@@ -1,7 +1,8 @@
-"""Checks of jaxpar.tensor against the reference, shared by `jaxpar verify tp|sp`, the
-example and the benchmark: one training step of the block (output y and, from jax.vjp,
-the input and every parameter gradient), and the collectives of its compiled forward and
-backward programs next to `tensor.tp_block_collectives`.
+"""Checks of jaxpar.tensor and jaxpar.tensor_vocab against the reference, shared by
+`jaxpar verify tp|sp`, the example, the benchmark and the tests: one training step of the
+block (output y and, from jax.vjp, the input and every parameter gradient), the vocabulary-
+parallel embedding and LM head, and the collectives of each compiled forward and backward
+program next to their formulas (`tensor.tp_block_collectives`, `tensor_vocab.vocab_collectives`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar import comms, reference, tensor
 from jaxpar import mesh as mesh_lib
@@ -40,11 +42,16 @@ class BlockRun:
 
 
 def block_inputs(cfg: reference.ModelConfig, batch: int, seq: int, dtype=jnp.float32, seed: int = 0):
-    """(params, x, dy) for one block; dy = N(0,1)/(B*T), the cotangent of a mean loss."""
-    kp, kx, ky = jax.random.split(jax.random.PRNGKey(seed), 3)
-    p = reference.layer_params(reference.init_params(kp, cfg, dtype), 0)
-    x = jax.random.normal(kx, (batch, seq, cfg.d_model), dtype)
-    dy = jax.random.normal(ky, (batch, seq, cfg.d_model), dtype) / (batch * seq)
+    """(params, x, dy) for one block: weights ~ N(0, 1/fan_in) and norm gains 1, as
+    reference.init_params draws them; x ~ N(0, 1); dy = N(0,1)/(B*T), the cotangent of a
+    mean loss. Drawn with numpy: no RNG kernel to compile for each shape."""
+    rng = np.random.default_rng(seed)
+    D, N, H, F = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_ff
+    fan_in = {"wq": D, "wk": D, "wv": D, "wo": N * H, "w_up": D, "w_gate": D, "w_down": F}
+    p = {k: jnp.asarray(rng.standard_normal(shape) / np.sqrt(fan_in[k]) if k in fan_in else np.ones(shape), dtype)
+         for k, shape in tensor.block_param_shapes(cfg).items()}
+    x = jnp.asarray(rng.standard_normal((batch, seq, D)), dtype)
+    dy = jnp.asarray(rng.standard_normal((batch, seq, D)) / (batch * seq), dtype)
     return p, x, dy
 
 
@@ -82,14 +89,24 @@ def _reference_step(cfg: reference.ModelConfig):
 
 
 def default_mesh():
-    """dp x tp over the devices there are: tp=4 when 4 divides the count, else 2, else 1."""
+    """dp x tp over the devices there are: tp=4 when 4 divides the count, else 2, else 1
+    (the one choice of tp shared by the tour, example 03 and benchmarks/tensor.py)."""
     n = len(jax.devices())
     tp = next(t for t in (4, 2, 1) if n % t == 0)
     return mesh_lib.make_mesh(dp=n // tp, tp=tp)
 
 
-def _fmt(stats: dict) -> str:
+def format_collectives(stats: dict) -> str:
+    """A comms.nonzero dict as "2 AR 64.0 KiB + 1 AG 8.0 KiB" ("-" when empty)."""
     return " + ".join(f"{c} {comms.SHORT[k]} {comms.human_bytes(b)}" for k, (c, b) in stats.items()) or "-"
+
+
+def _close(out, ref) -> bool:
+    try:
+        assert_close(out, ref)
+        return True
+    except AssertionError:
+        return False
 
 
 def check_block(*, sequence_parallel: bool):
@@ -97,20 +114,16 @@ def check_block(*, sequence_parallel: bool):
 
     start = time.perf_counter()
     m = default_mesh()
+    batch = 2 * m.shape.get(DP, 1)
     cfg = reference.ModelConfig(n_layers=1, n_kv_heads=4, mlp="swiglu")
-    run = run_block(cfg, m, sequence_parallel=sequence_parallel)
-    try:
-        assert_close(run.out, run.ref)
-        close = True
-    except AssertionError:
-        close = False
+    run = run_block(cfg, m, sequence_parallel=sequence_parallel, batch=batch)
     match = run.collectives_match
     name = "SP block (TP + sequence parallel)" if sequence_parallel else "TP block (Megatron)"
     return Row(technique=name, mesh=mesh_lib.describe(m), max_error=run.max_error,
-               collectives=f"fwd {_fmt(run.forward)} | bwd {_fmt(run.backward)}"
+               collectives=f"fwd {format_collectives(run.forward)} | bwd {format_collectives(run.backward)}"
                            + (" = formula" if match else " != formula"),
-               seconds=time.perf_counter() - start, ok=close and match,
-               note="y, dx, all param grads vs reference.block; f32 GQA SwiGLU B=4 T=8")
+               seconds=time.perf_counter() - start, ok=_close(run.out, run.ref) and match,
+               note=f"y, dx, all param grads vs reference.block; f32 GQA SwiGLU B={batch} T=8")
 
 
 def check_counterexample():
@@ -126,33 +139,65 @@ def check_counterexample():
                else "ok = clearly wrong (lecture: 0.82 for its setup)")
 
 
-def check_vocab_cross_entropy():
-    """Vocabulary-parallel cross-entropy: loss and dL/dlogits vs reference.cross_entropy,
-    collectives of the forward and of the backward vs tensor_vocab.vocab_collectives."""
+def fwd_bwd(fn, *args, ct):
+    """fn(*args) and its gradients for cotangent ct, from two compiled programs (the
+    forward, and the backward alone: jit of the function jax.vjp returns), with the
+    comms.nonzero collectives of each: (out, (fwd stats, bwd stats))."""
+    fwd = jax.jit(fn)
+    _, vjp = jax.vjp(fwd, *args)           # of the jitted fn: an eager shard_map costs seconds
+    fwd = fwd.lower(*args).compile()
+    bwd = jax.jit(lambda vjp, ct: vjp(ct)).lower(vjp, ct).compile()
+    return (fwd(*args), bwd(vjp, ct)), (_stats(fwd), _stats(bwd))
+
+
+def lm_head_inputs(batch: int, seq: int, d_model: int, vocab: int, dtype=jnp.float32, seed: int = 0):
+    """(x, final_norm, unembed, targets) for the LM head: x ~ N(0, 1), gain near 1,
+    unembed ~ N(0, 1/D), targets in [0, V). Drawn with numpy: no RNG kernel to compile."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+    return (normal(batch, seq, d_model), 1 + 0.1 * normal(d_model), normal(d_model, vocab) / d_model ** 0.5,
+            jnp.asarray(rng.integers(0, vocab, (batch, seq)), jnp.int32))
+
+
+def reference_lm_loss(x, final_norm, unembed, targets, eps: float = 1e-6):
+    """The unsharded LM head + loss, as reference.forward and reference.loss end."""
+    return reference.cross_entropy(reference.rms_norm(x, final_norm, eps) @ unembed, targets)
+
+
+# jitted: one compile instead of one per primitive when run eagerly
+reference_lm_loss_and_grads = jax.jit(jax.value_and_grad(reference_lm_loss, argnums=(0, 1, 2)))
+
+
+def check_vocab():
+    """Vocabulary-parallel embedding (output and dL/dembed vs embed[tokens]) and LM head +
+    cross-entropy (loss and the gradients of x, final_norm, unembed vs reference_lm_loss);
+    each program's collectives vs tensor_vocab.vocab_collectives. The logits [B, T, V/t]
+    stay on their device."""
     from jaxpar import tensor_vocab
     from jaxpar.tour import Row
 
     start = time.perf_counter()
     m = default_mesh()
     tp, dp = m.shape[TP], m.shape.get(DP, 1)
-    B, T, V = 2 * dp, 8, 16 * tp
-    logits = 4 * jax.random.normal(jax.random.PRNGKey(3), (B, T, V))
-    targets = jax.random.randint(jax.random.PRNGKey(4), (B, T), 0, V)
-    fn = lambda l: tensor_vocab.vocab_parallel_cross_entropy(l, targets, mesh=m)
-    _, vjp = jax.vjp(fn, logits)
-    fwd, bwd = jax.jit(fn), jax.jit(lambda ct: vjp(ct)[0])
-    out = (fwd(logits), bwd(1.0))
-    ref = jax.value_and_grad(lambda l: reference.cross_entropy(l, targets))(logits)
-    got = [comms.nonzero(comms.collective_stats(f, a)) for f, a in ((fwd, logits), (bwd, 1.0))]
-    want = [tensor_vocab.vocab_collectives(batch=B, seq=T, d_model=0, vocab=V, dtype=jnp.float32, tp=tp, dp=dp,
-                                           what="cross_entropy", backward=b) for b in (False, True)]
-    try:
-        assert_close(out, ref)
-        close = True
-    except AssertionError:
-        close = False
-    return Row(technique="vocab-parallel cross-entropy", mesh=mesh_lib.describe(m),
+    cfg = reference.ModelConfig(vocab=16 * tp)
+    B, T, D, V = 2 * dp, 8, cfg.d_model, cfg.vocab
+    x, gain, unembed, tokens = lm_head_inputs(B, T, D, V)
+    embed = jax.random.normal(jax.random.PRNGKey(5), (V, D))
+    emb, emb_stats = fwd_bwd(lambda e: tensor_vocab.vocab_parallel_embedding(e, tokens, mesh=m), embed, ct=x)
+    y, emb_vjp = jax.vjp(lambda e: e[tokens], embed)
+    head, head_stats = fwd_bwd(lambda *a: tensor_vocab.vocab_parallel_lm_loss(*a, tokens, mesh=m, cfg=cfg),
+                               x, gain, unembed, ct=jnp.float32(1.0))
+    head_ref = reference_lm_loss_and_grads(x, gain, unembed, tokens)
+    out, ref = (emb, head), ((y, emb_vjp(x)), head_ref)
+    kw = dict(batch=B, seq=T, d_model=D, vocab=V, dtype=jnp.float32, tp=tp, dp=dp)
+    want = tuple(tuple(tensor_vocab.vocab_collectives(**kw, what=what, backward=b) for b in (False, True))
+                 for what in ("embedding", "lm_loss"))
+    match = (emb_stats, head_stats) == want
+    cells = [f"{name} fwd {format_collectives(f)} bwd {format_collectives(b)}"
+             for name, (f, b) in (("embed", emb_stats), ("head", head_stats))]
+    return Row(technique="vocab-parallel embedding + LM head + CE", mesh=mesh_lib.describe(m),
                max_error=max_abs_diff(out, ref),
-               collectives=f"fwd {_fmt(got[0])} | bwd {_fmt(got[1])}" + (" = formula" if got == want else " != formula"),
-               seconds=time.perf_counter() - start, ok=close and got == want,
-               note=f"logits [B, T, V/t] never gathered ({comms.human_bytes(logits.nbytes)} in all)")
+               collectives=" | ".join(cells) + (" = formula" if match else " != formula"),
+               seconds=time.perf_counter() - start, ok=_close(out, ref) and match,
+               note="tp=1: all V logits on each device" if tp == 1 else
+               f"logits [B, T, V/t] per device; the full {comms.human_bytes(B * T * V * 4)} never exist")

@@ -1,18 +1,24 @@
 """Megatron TP and SP blocks against reference.block (output, input gradient, every
 parameter gradient), the collectives of their compiled forward and backward against
-tensor.tp_block_collectives, the row-split counterexample, vocab-parallel embedding and
-cross-entropy, and the errors for shapes that do not split."""
+tensor.tp_block_collectives, the row-split counterexample, vocab-parallel embedding,
+cross-entropy and LM head, the whole model end to end against reference.loss, the tour's
+checks, and the errors for inputs that do not fit."""
 
+import dataclasses
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from jaxpar import comms, reference, tensor, tensor_vocab
+from jaxpar import reference, tensor, tensor_vocab
 from jaxpar import mesh as mesh_lib
-from jaxpar.tensor_checks import block_inputs, run_block
+from jaxpar.tensor_checks import block_inputs, fwd_bwd, lm_head_inputs, reference_lm_loss_and_grads, run_block
 from jaxpar.testing import assert_close, max_abs_diff
 
 B, T = 8, 8   # B divisible by dp up to 8, T by tp up to 8
@@ -68,12 +74,17 @@ def test_block_lecture_formula_counts():
                                "all-reduce": (2, 2 * cfg.d_model * 4 + dp_grads)}
 
 
-def test_block_float64(x64):
-    cfg = cfg_for(2, "swiglu")
-    run = run_block(cfg, mesh_lib.make_mesh(dp=2, tp=4), sequence_parallel=True, batch=B, seq=T,
-                    dtype=jnp.float64, collectives=False)
+# float64 (rtol = atol = 1e-12) for every tp in {1, 2, 4, 8}; small shapes, no HLO read.
+F64_CASES = [(8, 1, False, 8, "gelu"), (4, 2, False, 4, "swiglu"), (2, 4, True, 2, "swiglu"),
+             (1, 8, False, 8, "gelu")]
+
+
+@pytest.mark.parametrize("dp,tp,sp,kv,mlp", F64_CASES, ids=lambda v: str(v))
+def test_block_float64(x64, dp, tp, sp, kv, mlp):
+    run = run_block(cfg_for(kv, mlp), mesh_lib.make_mesh(dp=dp, tp=tp), sequence_parallel=sp, batch=dp,
+                    seq=8, dtype=jnp.float64, collectives=False)
     assert run.out[0].dtype == jnp.float64
-    assert_close(run.out, run.ref)       # float64: rtol = atol = 1e-12
+    assert_close(run.out, run.ref)
 
 
 def test_single_device_mesh():
@@ -123,52 +134,78 @@ def test_counterexample_row_split_gelu_is_wrong():
 VOCAB_MESHES = [(8, 1), (4, 2), (1, 8), (2, 4)]   # (dp, tp): size-1 axes included
 
 
-def _fwd_bwd(fn, x):
-    """The jitted forward of fn and its jitted backward alone (cotangent -> dL/dx),
-    so that each program's collectives are read on their own."""
-    _, vjp = jax.vjp(fn, x)
-    return jax.jit(fn), jax.jit(lambda ct: vjp(ct)[0])
+def _logits(batch, vocab, dtype=jnp.float32, seed=2):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(3 * rng.standard_normal((batch, T, vocab)), dtype),
+            jnp.asarray(rng.integers(0, vocab, (batch, T)), jnp.int32))
 
 
 @pytest.mark.parametrize("dp,tp", VOCAB_MESHES)
 def test_vocab_parallel_cross_entropy(dp, tp):
     m = mesh_lib.make_mesh(dp=dp, tp=tp)
-    kl, kt = jax.random.split(jax.random.PRNGKey(2))
-    logits = 3 * jax.random.normal(kl, (8, T, 64))
-    targets = jax.random.randint(kt, (8, T), 0, 64)
-    fwd, bwd = _fwd_bwd(lambda l: tensor_vocab.vocab_parallel_cross_entropy(l, targets, mesh=m), logits)
-    assert_close((fwd(logits), bwd(1.0)),
-                 jax.value_and_grad(lambda l: reference.cross_entropy(l, targets))(logits))
+    logits, targets = _logits(8, 64)
+    (loss, (dlogits,)), stats = fwd_bwd(lambda l: tensor_vocab.vocab_parallel_cross_entropy(l, targets, mesh=m),
+                                        logits, ct=jnp.float32(1.0))
+    assert_close((loss, dlogits), jax.value_and_grad(lambda l: reference.cross_entropy(l, targets))(logits))
     # Only [B/dp, T] statistics cross the wire (no all-gather: the logits are never gathered).
-    for backward, f, arg in ((False, fwd, logits), (True, bwd, 1.0)):
-        assert comms.nonzero(comms.collective_stats(f, arg)) == tensor_vocab.vocab_collectives(
-            batch=8, seq=T, d_model=0, vocab=64, dtype=jnp.float32, tp=tp, dp=dp, what="cross_entropy",
-            backward=backward)
+    assert stats == tuple(tensor_vocab.vocab_collectives(
+        batch=8, seq=T, d_model=0, vocab=64, dtype=jnp.float32, tp=tp, dp=dp, what="cross_entropy",
+        backward=b) for b in (False, True))
 
 
 def test_vocab_parallel_cross_entropy_float64(x64):
     m = mesh_lib.make_mesh(dp=2, tp=4)
-    logits = 3 * jax.random.normal(jax.random.PRNGKey(4), (4, T, 64), jnp.float64)
-    targets = jax.random.randint(jax.random.PRNGKey(5), (4, T), 0, 64)
-    ours = jax.value_and_grad(lambda l: tensor_vocab.vocab_parallel_cross_entropy(l, targets, mesh=m))(logits)
-    assert_close(ours, jax.value_and_grad(lambda l: reference.cross_entropy(l, targets))(logits))
+    logits, targets = _logits(4, 64, jnp.float64, seed=4)
+    ours = jax.jit(jax.value_and_grad(lambda l: tensor_vocab.vocab_parallel_cross_entropy(l, targets, mesh=m)))
+    assert_close(ours(logits), jax.value_and_grad(lambda l: reference.cross_entropy(l, targets))(logits))
+
+
+@pytest.mark.parametrize("dp,tp,dtype", [(*m, jnp.float32) for m in VOCAB_MESHES]
+                         + [(8, 1, jnp.float64), (2, 4, jnp.float64)], ids=str)
+def test_vocab_parallel_lm_loss(dp, tp, dtype):
+    """LM head + loss: loss and the gradients of x, final_norm, unembed vs the unsharded
+    rms_norm -> @ unembed -> cross_entropy; the forward's and the backward's collectives
+    exactly vocab_collectives(what="lm_loss")."""
+    with jax.enable_x64(dtype == jnp.float64):
+        m = mesh_lib.make_mesh(dp=dp, tp=tp)
+        cfg = reference.ModelConfig(vocab=64)
+        x, gain, unembed, targets = lm_head_inputs(8, T, cfg.d_model, 64, dtype)
+        out, stats = fwd_bwd(lambda *a: tensor_vocab.vocab_parallel_lm_loss(*a, targets, mesh=m, cfg=cfg),
+                             x, gain, unembed, ct=jnp.ones((), dtype))
+        assert out[0].dtype == dtype
+        assert_close(out, reference_lm_loss_and_grads(x, gain, unembed, targets))
+        assert stats == tuple(tensor_vocab.vocab_collectives(
+            batch=8, seq=T, d_model=cfg.d_model, vocab=64, dtype=dtype, tp=tp, dp=dp, what="lm_loss",
+            backward=b) for b in (False, True))
+
+
+def test_tp_loss_end_to_end_matches_reference_loss():
+    """vocab_parallel_embedding -> tp_block x 2 layers -> vocab_parallel_lm_loss equals
+    reference.loss, with the gradient of every parameter (embed, all blocks, final_norm,
+    unembed): the vocab-parallel story end to end, on dp=2 x tp=4."""
+    cfg = reference.ModelConfig(n_layers=2, n_kv_heads=2, mlp="swiglu")
+    m = mesh_lib.make_mesh(dp=2, tp=4)
+    params = reference.init_params(jax.random.PRNGKey(7), cfg)
+    params["final_norm"] = 1 + 0.1 * jax.random.normal(jax.random.PRNGKey(8), (cfg.d_model,))
+    tokens = jax.random.randint(jax.random.PRNGKey(9), (4, T + 1), 0, cfg.vocab)
+    ours = jax.jit(jax.value_and_grad(lambda p: tensor_vocab.tp_loss(p, tokens, mesh=m, cfg=cfg)))(params)
+    assert_close(ours, jax.jit(jax.value_and_grad(lambda p: reference.loss(p, tokens, cfg)))(params))
 
 
 @pytest.mark.parametrize("dp,tp", VOCAB_MESHES)
 def test_vocab_parallel_embedding(dp, tp):
     m = mesh_lib.make_mesh(dp=dp, tp=tp)
-    kt, ke, kc = jax.random.split(jax.random.PRNGKey(3), 3)
-    tokens = jax.random.randint(kt, (8, T), 0, 64)
-    embed = jax.random.normal(ke, (64, 16))
-    ct = jax.random.normal(kc, (8, T, 16))
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, 64, (8, T)), jnp.int32)
+    embed = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+    ct = jnp.asarray(rng.standard_normal((8, T, 16)), jnp.float32)
 
-    fwd, bwd = _fwd_bwd(lambda e: tensor_vocab.vocab_parallel_embedding(e, tokens, mesh=m), embed)
-    y, vjp = jax.vjp(lambda e: e[tokens], embed)
-    assert_close((fwd(embed), bwd(ct)), (y, vjp(ct)[0]))
-    for backward, f, arg in ((False, fwd, embed), (True, bwd, ct)):
-        assert comms.nonzero(comms.collective_stats(f, arg)) == tensor_vocab.vocab_collectives(
-            batch=8, seq=T, d_model=16, vocab=64, dtype=jnp.float32, tp=tp, dp=dp, what="embedding",
-            backward=backward)
+    (y, (dembed,)), stats = fwd_bwd(lambda e: tensor_vocab.vocab_parallel_embedding(e, tokens, mesh=m), embed, ct=ct)
+    y_ref, vjp = jax.vjp(lambda e: e[tokens], embed)
+    assert_close((y, dembed), (y_ref, vjp(ct)[0]))
+    assert stats == tuple(tensor_vocab.vocab_collectives(
+        batch=8, seq=T, d_model=16, vocab=64, dtype=jnp.float32, tp=tp, dp=dp, what="embedding",
+        backward=b) for b in (False, True))
 
 
 def _params(cfg):
@@ -189,6 +226,26 @@ def test_bad_input_raises(cfg_kw, tp, sp, seq, match):
         tensor.tp_block(_params(cfg), x, mesh=m, cfg=cfg, sequence_parallel=sp)
 
 
+@pytest.mark.parametrize("change,match", [
+    (dict(x_shape=(8, 8, 16)), r"x has shape \(8, 8, 16\); tp_block takes x\[B, T, D\] with D = cfg.d_model = 32.*Fix"),
+    (dict(x_shape=(8, 32)), r"x has shape \(8, 32\); tp_block takes x\[B, T, D\].*Fix.*x\[None\]"),
+    (dict(stacked=True), r"params\['attn_norm'\] has shape \(2, 32\).*stacked params\['blocks'\].*Fix: .*layer_params"),
+    (dict(whole=True), r"the whole model.*Fix: .*layer_params"),
+    (dict(mlp="swiglu"), r"do not fit cfg \(mlp='swiglu'.*missing \['w_gate'\].*Fix"),
+    (dict(mlp="gelu", params_mlp="swiglu"), r"unexpected \['w_gate'\].*Fix"),
+])
+def test_bad_block_inputs_raise_before_compute(change, match):
+    """x of the wrong width or rank, stacked or whole-model params, params of the other
+    MLP kind: a ValueError naming the value, the constraint and a fix."""
+    cfg = reference.ModelConfig(mlp=change.get("mlp", "gelu"))
+    params_cfg = dataclasses.replace(cfg, mlp=change.get("params_mlp", "gelu"))
+    full = reference.init_params(jax.random.PRNGKey(0), params_cfg)
+    params = full if change.get("whole") else full["blocks"] if change.get("stacked") else reference.layer_params(full, 0)
+    x = jnp.zeros(change.get("x_shape", (8, 8, cfg.d_model)))
+    with pytest.raises(ValueError, match=match):
+        tensor.tp_block(params, x, mesh=mesh_lib.make_mesh(dp=2, tp=4), cfg=cfg)
+
+
 def test_bad_vocab_raises():
     m = mesh_lib.make_mesh(tp=8)
     with pytest.raises(ValueError, match=r"batch B=3 is not divisible by dp=2.*Fix"):
@@ -198,3 +255,21 @@ def test_bad_vocab_raises():
         tensor_vocab.vocab_parallel_cross_entropy(jnp.zeros((1, 2, 60)), jnp.zeros((1, 2), int), mesh=m)
     with pytest.raises(ValueError, match=r"vocab V=60 is not divisible by tp=8"):
         tensor_vocab.vocab_parallel_embedding(jnp.zeros((60, 4)), jnp.zeros((1, 2), int), mesh=m)
+    with pytest.raises(ValueError, match=r"x \(2, 3\), final_norm \(32,\), unembed \(32, 64\).*Fix"):
+        tensor_vocab.vocab_parallel_lm_loss(jnp.zeros((2, 3)), jnp.ones(32), jnp.zeros((32, 64)),
+                                            jnp.zeros((2, 3), int), mesh=m, cfg=reference.ModelConfig())
+
+
+def test_tour_checks_of_tp_and_sp_are_ok():
+    rows = tensor.tour_check_tp() + tensor.tour_check_sp()
+    assert [r.technique for r in rows if not r.ok] == [], rows
+    assert "LM head" in rows[2].technique and "= formula" in rows[2].collectives
+
+
+def test_verify_sp_on_6_devices():
+    """dp=3 x tp=2: the batch of the check is a multiple of dp (it once was a fixed 4)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "jaxpar", "verify", "sp", "--devices", "6"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "dp=3 tp=2" in proc.stdout

@@ -10,14 +10,17 @@ Runs on 8 fake CPU devices unless XLA_FLAGS sets another count. Mirrors the lect
   demo 3  the sequence-parallel MLP sublayer (RMSNorm -> all-gather -> column -> row ->
           reduce-scatter -> residual), with the norm gain's gradient all-reduced;
 then the collectives of the compiled programs vs 2*s*d elements each way, the
-per-device ring traffic 8*b*s*h*(t-1)/t per layer, and the vocabulary-parallel
-cross-entropy that never gathers the logits.
+per-device ring traffic 8*b*s*h*(t-1)/t per layer, the vocabulary-parallel LM head
+(rms_norm -> unembed[D, V/t] -> cross-entropy, the logits never gathered), and the whole
+model tensor parallel end to end (vocab-parallel embedding -> blocks -> LM head) against
+reference.loss.
 """
 
 from jaxpar import mesh
 
 n = mesh.use_cpu_devices(8)
 
+import dataclasses  # noqa: E402
 from functools import partial  # noqa: E402
 
 import jax  # noqa: E402
@@ -26,7 +29,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxpar import comms, reference, tensor, tensor_vocab  # noqa: E402
 from jaxpar.collectives import copy_to_tp  # noqa: E402
-from jaxpar.tensor_checks import run_block  # noqa: E402
+from jaxpar.tensor_checks import (  # noqa: E402
+    default_mesh, format_collectives, fwd_bwd, lm_head_inputs, reference_lm_loss_and_grads, run_block)
 from jaxpar.testing import max_abs_diff  # noqa: E402
 
 
@@ -50,8 +54,8 @@ def sp_mlp_sublayer(p, x, *, cfg):
 
 
 def main():
-    tp = 4 if n % 4 == 0 else (2 if n % 2 == 0 else 1)
-    m = mesh.make_mesh(dp=n // tp, tp=tp)
+    m = default_mesh()                # tp=4 when 4 divides the device count, else 2, else 1
+    tp = m.shape[mesh.TP]
     cfg = reference.ModelConfig(n_layers=1, n_heads=8, n_kv_heads=8, d_model=64, head_dim=8, d_ff=256)
     B, T = 2 * (n // tp), 16
     print(f"{n} devices, mesh {mesh.describe(m)}; block D={cfg.d_model} N={cfg.n_heads} F={cfg.d_ff}, "
@@ -89,9 +93,9 @@ def main():
     for name, run in (("TP", tp_run), ("SP", sp_run)):
         for part, got, want in (("forward", run.forward, run.formula_forward),
                                 ("backward", run.backward, run.formula_backward)):
-            cells = ", ".join(f"{c} {comms.SHORT[k]} = {bts // 4} elements" for k, (c, bts) in got.items()) or "none"
-            print(f"  {name} {part:8s}: {cells}  {'= formula' if got == want else '!= formula'}")
-    print(f"  lecture: 2 all-reduces of s*d each way; here 2*b*s*h = {2 * act_elems} elements each way "
+            print(f"  {name} {part:8s}: {format_collectives(got)}  {'= formula' if got == want else '!= formula'}")
+    print(f"  lecture: 2 all-reduces of s*d each way; here 2*b*s*h = {2 * act_elems} elements "
+          f"({comms.human_bytes(2 * act_elems * 4)} f32) each way "
           f"(backward also all-reduces the {tensor.block_param_bytes(cfg, jnp.float32, tp) // 4} "
           "param-gradient elements over dp; SP adds the 2*h gains')")
     ring = tensor.ring_bytes_per_device(cfg, b, T, jnp.float32, tp)
@@ -102,16 +106,38 @@ def main():
     print(f"  measured: TP all-reduce bytes (fwd + bwd, dp gradients left out) x 2(t-1)/t = "
           f"{tp_ar * 2 * (tp - 1) / tp / 4:.0f} elements")
 
-    print("\nVocabulary-parallel cross-entropy (Megatron): logits[B, T, V/t] per device, never gathered")
-    V = 64 * tp
-    logits = 4 * jax.random.normal(jax.random.PRNGKey(3), (B, T, V))
-    targets = jax.random.randint(jax.random.PRNGKey(4), (B, T), 0, V)
-    ours = jax.jit(jax.value_and_grad(lambda l: tensor_vocab.vocab_parallel_cross_entropy(l, targets, mesh=m)))
-    want = jax.value_and_grad(lambda l: reference.cross_entropy(l, targets))(logits)
-    stats = comms.collective_stats(ours, logits)
-    print(f"  loss and dL/dlogits vs reference.cross_entropy: max diff {max_abs_diff(ours(logits), want):.1e}")
-    print(f"  collectives: {comms.format_stats(stats)} (the full logits would be {comms.human_bytes(logits.nbytes)})")
+    demo_vocab(m, cfg, B, T)
 
+
+def demo_vocab(m, cfg, B, T):
+    tp, dp = m.shape[mesh.TP], m.shape.get(mesh.DP, 1)
+    V = 64 * tp
+    cfg = dataclasses.replace(cfg, vocab=V)
+    print(f"\nVocabulary-parallel LM head (Megatron): unembed[D, V/t] per device, V={V}; the logits "
+          f"[B, T, V/t] are never gathered")
+    x, gain, unembed, targets = lm_head_inputs(B, T, cfg.d_model, V)
+    (loss, grads), (fwd, bwd) = fwd_bwd(
+        lambda *a: tensor_vocab.vocab_parallel_lm_loss(*a, targets, mesh=m, cfg=cfg), x, gain, unembed,
+        ct=jnp.float32(1.0))
+    ref = reference_lm_loss_and_grads(x, gain, unembed, targets)
+    print(f"  loss {float(loss):.4f}; loss and dL/dx, dL/dfinal_norm, dL/dunembed vs cross_entropy(rms_norm(x) "
+          f"@ unembed): max diff {max_abs_diff((loss, grads), ref):.1e}")
+    kw = dict(batch=B, seq=T, d_model=cfg.d_model, vocab=V, dtype=jnp.float32, tp=tp, dp=dp, what="lm_loss")
+    for part, got, note in (("forward", fwd, "the max, then sum exp + target logit, [b, T] each; the loss's "
+                                             "mean over dp"),
+                            ("backward", bwd, "f: dL/dz over tp, b*T*D; unembed and final_norm grads over dp")):
+        want = tensor_vocab.vocab_collectives(**kw, backward=part == "backward")
+        print(f"  {part:8s}: {format_collectives(got)}  {'= formula' if got == want else '!= formula'}  ({note})")
+    print(f"  the full logits would be {comms.human_bytes(B * T * V * 4)}; each device holds 1/{tp} of them")
+
+    print("\nThe whole model, tensor parallel end to end: vocab-parallel embedding -> tp_block x 2 -> LM head + loss")
+    cfg = dataclasses.replace(cfg, n_layers=2)
+    params = reference.init_params(jax.random.PRNGKey(5), cfg)
+    tokens = jax.random.randint(jax.random.PRNGKey(6), (B, T + 1), 0, V)
+    ours = jax.jit(jax.value_and_grad(lambda p: tensor_vocab.tp_loss(p, tokens, mesh=m, cfg=cfg)))(params)
+    want = jax.jit(jax.value_and_grad(lambda p: reference.loss(p, tokens, cfg)))(params)
+    print(f"  loss {float(ours[0]):.4f} vs reference.loss {float(want[0]):.4f}; max diff over the loss and "
+          f"every parameter's gradient {max_abs_diff(ours, want):.1e}")
 
 if __name__ == "__main__":
     main()

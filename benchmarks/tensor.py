@@ -15,12 +15,22 @@ Rows, all from compiled programs on the devices there are (8 fake CPU devices by
   peer       the same block written as plain jnp under jit, weights placed with the same
              NamedShardings and activations annotated (with_sharding_constraint), the way
              MaxText does TP: collective bytes and fwd+bwd time vs jaxpar's explicit
-             shard_map version, dp x tp with tp=4: ratio of medians of REPEATS alternated
-             runs after warm-up, and of the fastest runs (best_ratio).
+             shard_map version, on tensor_checks.default_mesh() (dp=2 x tp=4 on 8 devices;
+             skipped, with a row saying so, when that gives tp=1): ratio of medians of
+             REPEATS alternated runs after warm-up, and of the fastest runs (best_ratio).
+
+The peer moves more bytes, not the same: its compiled backward all-reduces the input
+gradient of each of the Q, K and V projections on its own (3 x b*s*h over tp; HLO op_name
+transpose(jvp(btd,dnh->btnh)) and two transpose(jvp(btd,dkh->btkh))), where Megatron's one
+f sums the three locally first and all-reduces once; the MLP has one up projection (GeLU)
+so both all-reduce it once. That is 2*b*s*h*4 bytes more per step (3.6 vs 2.6 MiB at
+dp=2 x tp=4, b=4, s=128, h=256, both with the same dp gradient all-reduce).
+Runs on any device count: the batch is a multiple of every dp used (lcm(8, n)).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -30,16 +40,22 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import comms, mesh, reference, tensor
+from jaxpar.tensor_checks import default_mesh
 
 REPEATS = 15
 CFG = reference.ModelConfig(n_layers=1, d_model=256, n_heads=8, n_kv_heads=8, head_dim=32, d_ff=768)
 # d_ff/t never equals d_model, so the [b, T, D] residuals can be told apart by shape.
-B, T = 8, 128
+T = 128
+
+
+def _batch() -> int:
+    """8, or a multiple of it that every dp = n/t divides (n devices)."""
+    return math.lcm(8, len(jax.devices()))
 
 
 def _inputs(cfg=CFG):
     p = reference.layer_params(reference.init_params(jax.random.PRNGKey(0), cfg), 0)
-    x = jax.random.normal(jax.random.PRNGKey(1), (B, T, cfg.d_model))
+    x = jax.random.normal(jax.random.PRNGKey(1), (_batch(), T, cfg.d_model))
     return p, x
 
 
@@ -80,7 +96,7 @@ def _residuals(m, p, x, sp, dp, t) -> dict:
     leaves = jax.tree.leaves(jax.eval_shape(lambda p, x: jax.vjp(f, p, x)[1], p, x))
     out = {"residual_bytes": compiled.memory_analysis().output_size_in_bytes,
            "tokenwise_split": 0, "tokenwise_whole": 0}
-    b = B // dp
+    b = x.shape[0] // dp
     for leaf, sharding in zip(leaves, jax.tree.leaves(compiled.output_shardings)):
         shape = sharding.shard_shape(leaf.shape)
         if len(shape) == 3 and shape[0] == b and shape[2] in (CFG.d_model, 1):
@@ -132,13 +148,20 @@ def run() -> list[dict]:
                          # whole ones minus the gathered column inputs SP keeps whole too)
                          "split_ratio_to_tp": res[sp]["tokenwise_split"]
                          / (res[False]["tokenwise_whole"] - res[True]["tokenwise_whole"]) if sp else None})
-    t = 4 if n % 4 == 0 else 2
-    m = _mesh(t)
-    specs = tensor.TPSpecs.megatron(n_kv_heads=CFG.n_kv_heads, tp=t,
-                                    data_axis=mesh.DP if n // t > 1 else None)
+    rows += _peer_rows(p, x)
+    return rows
+
+
+def _peer_rows(p, x) -> list[dict]:
+    m = default_mesh()
+    t, dp = m.shape[mesh.TP], m.shape.get(mesh.DP, 1)
+    if t == 1:
+        return [{"figure": "fwd+bwd jaxpar vs peer", "t": 1, "sp": False,
+                 "collectives": f"skipped: {len(jax.devices())} device(s) give tp=1, nothing to split"}]
+    specs = tensor.TPSpecs.megatron(n_kv_heads=CFG.n_kv_heads, tp=t, data_axis=mesh.DP if dp > 1 else None)
     placed = {k: jax.device_put(a, NamedSharding(m, specs.params(p)[k])) for k, a in p.items()}
     xs = jax.device_put(x, NamedSharding(m, specs.act_btd))
-    dy = jax.device_put(jnp.ones_like(x) / (B * T), NamedSharding(m, specs.act_btd))
+    dy = jax.device_put(jnp.ones_like(x) / (x.shape[0] * T), NamedSharding(m, specs.act_btd))
     ours = _step(lambda p, x: tensor.tp_block(p, x, mesh=m, cfg=CFG))
     peer = _step(lambda p, x: peer_block(p, x, m=m))
     err = max(float(jnp.max(jnp.abs(a - b))) for a, b in
@@ -148,8 +171,8 @@ def run() -> list[dict]:
     t_ours, t_peer, best = _time_pair(ours, peer, placed, xs, dy)
     f_ours, f_peer, f_best = _time_pair(jax.jit(lambda p, x: tensor.tp_block(p, x, mesh=m, cfg=CFG)),
                                         jax.jit(lambda p, x: peer_block(p, x, m=m)), placed, xs)
-    rows.append({"figure": "fwd only, jaxpar/peer", "t": t, "sp": False, "ms": 1e3 * f_ours,
-                 "ratio_to_peer": f_ours / f_peer, "best_ratio": f_best})
+    rows = [{"figure": "fwd only, jaxpar/peer", "t": t, "sp": False, "ms": 1e3 * f_ours,
+             "ratio_to_peer": f_ours / f_peer, "best_ratio": f_best}]
     for name, s, secs in (("jaxpar shard_map", s_ours, t_ours), ("jit+NamedSharding peer", s_peer, t_peer)):
         rows.append({"figure": f"fwd+bwd {name}", "t": t, "sp": False, "collectives": comms.format_stats(s),
                      "bytes": sum(v["bytes"] for v in s.values()), "ms": 1e3 * secs,

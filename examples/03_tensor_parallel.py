@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jaxpar import comms, reference, tensor, tensor_vocab  # noqa: E402
 from jaxpar.collectives import copy_to_tp  # noqa: E402
 from jaxpar.tensor_checks import (  # noqa: E402
-    default_mesh, format_collectives, fwd_bwd, lm_head_inputs, reference_lm_loss_and_grads, run_block)
+    default_mesh, fwd_bwd, lm_head_inputs, reference_lm_loss_and_grads, run_block)
 from jaxpar.testing import max_abs_diff  # noqa: E402
 
 
@@ -93,7 +93,7 @@ def main():
     for name, run in (("TP", tp_run), ("SP", sp_run)):
         for part, got, want in (("forward", run.forward, run.formula_forward),
                                 ("backward", run.backward, run.formula_backward)):
-            print(f"  {name} {part:8s}: {format_collectives(got)}  {'= formula' if got == want else '!= formula'}")
+            print(f"  {name} {part:8s}: {comms.format_stats(got)}  {'= formula' if got == want else '!= formula'}")
     print(f"  lecture: 2 all-reduces of s*d each way; here 2*b*s*h = {2 * act_elems} elements "
           f"({comms.human_bytes(2 * act_elems * 4)} f32) each way "
           f"(backward also all-reduces the {tensor.block_param_bytes(cfg, jnp.float32, tp) // 4} "
@@ -127,7 +127,7 @@ def demo_vocab(m, cfg, B, T):
                                              "mean over dp"),
                             ("backward", bwd, "f: dL/dz over tp, b*T*D; unembed and final_norm grads over dp")):
         want = tensor_vocab.vocab_collectives(**kw, backward=part == "backward")
-        print(f"  {part:8s}: {format_collectives(got)}  {'= formula' if got == want else '!= formula'}  ({note})")
+        print(f"  {part:8s}: {comms.format_stats(got)}  {'= formula' if got == want else '!= formula'}  ({note})")
     print(f"  the full logits would be {comms.human_bytes(B * T * V * 4)}; each device holds 1/{tp} of them")
 
     print("\nThe whole model, tensor parallel end to end: vocab-parallel embedding -> tp_block x 2 -> LM head + loss")

@@ -221,10 +221,11 @@ def nonzero(stats: dict[str, dict[str, float]]) -> dict[str, tuple[int, int]]:
     return {k: (int(v["count"]), int(v["bytes"])) for k, v in stats.items() if v["count"]}
 
 
-def format_stats(stats: dict[str, dict[str, float]]) -> str:
-    """'2 AR 64.0 KiB + 4 CP 8.0 KiB' (or '-' when nothing is communicated)."""
-    parts = [f"{int(v['count'])} {SHORT[k]} {human_bytes(v['bytes'])}" for k, v in stats.items() if v["count"]]
-    return " + ".join(parts) or "-"
+def format_stats(stats: dict) -> str:
+    """'2 AR 64.0 KiB + 4 CP 8.0 KiB' (or '-' when nothing is communicated), from
+    collective_stats' dict or from its `nonzero` form {kind: (count, bytes)}."""
+    pairs = {k: v if isinstance(v, tuple) else (v["count"], v["bytes"]) for k, v in stats.items()}
+    return " + ".join(f"{int(c)} {SHORT[k]} {human_bytes(b)}" for k, (c, b) in pairs.items() if c) or "-"
 
 
 def human_bytes(n: float) -> str:

@@ -96,11 +96,6 @@ def default_mesh():
     return mesh_lib.make_mesh(dp=n // tp, tp=tp)
 
 
-def format_collectives(stats: dict) -> str:
-    """A comms.nonzero dict as "2 AR 64.0 KiB + 1 AG 8.0 KiB" ("-" when empty)."""
-    return " + ".join(f"{c} {comms.SHORT[k]} {comms.human_bytes(b)}" for k, (c, b) in stats.items()) or "-"
-
-
 def _close(out, ref) -> bool:
     try:
         assert_close(out, ref)
@@ -120,7 +115,7 @@ def check_block(*, sequence_parallel: bool):
     match = run.collectives_match
     name = "SP block (TP + sequence parallel)" if sequence_parallel else "TP block (Megatron)"
     return Row(technique=name, mesh=mesh_lib.describe(m), max_error=run.max_error,
-               collectives=f"fwd {format_collectives(run.forward)} | bwd {format_collectives(run.backward)}"
+               collectives=f"fwd {comms.format_stats(run.forward)} | bwd {comms.format_stats(run.backward)}"
                            + (" = formula" if match else " != formula"),
                seconds=time.perf_counter() - start, ok=_close(run.out, run.ref) and match,
                note=f"y, dx, all param grads vs reference.block; f32 GQA SwiGLU B={batch} T=8")
@@ -193,7 +188,7 @@ def check_vocab():
     want = tuple(tuple(tensor_vocab.vocab_collectives(**kw, what=what, backward=b) for b in (False, True))
                  for what in ("embedding", "lm_loss"))
     match = (emb_stats, head_stats) == want
-    cells = [f"{name} fwd {format_collectives(f)} bwd {format_collectives(b)}"
+    cells = [f"{name} fwd {comms.format_stats(f)} bwd {comms.format_stats(b)}"
              for name, (f, b) in (("embed", emb_stats), ("head", head_stats))]
     return Row(technique="vocab-parallel embedding + LM head + CE", mesh=mesh_lib.describe(m),
                max_error=max_abs_diff(out, ref),

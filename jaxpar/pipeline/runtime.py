@@ -1,0 +1,428 @@
+"""Pipeline runtime: any Schedule executed as one SPMD program (lecture 2.4, script 02).
+
+    s = schedule.make("1f1b", stages=4, microbatches=8)
+    loss, grads = runtime.run(s, stage_fn, params, (inputs, targets), mesh=m)   # m: dp x pp
+    grads.params   # d loss / d params, the structure of params (leading axis: layers)
+    grads.inputs   # d loss / d inputs
+
+`params` is a pytree whose leaves stack the model's L layers on a leading axis; stage k
+of the S = p*v model stages holds layers [k*L/S, (k+1)*L/S), and `stage_fn(stage_params,
+x) -> y` runs them (`layers(layer_fn)` builds one from a per-layer function; y has x's
+shape). `loss_fn(y, targets) -> scalar` must be a mean over the microbatch, so that the
+mean over microbatches (and dp shards) is the whole batch's loss.
+
+Inside `shard_map` over `pp` (and `dp`), `lax.scan` walks the schedule's steps (its start
+ticks; `runtime_plan`). At each step a device reads its entry of the static tables,
+indexed by `lax.axis_index("pp")`, and `lax.switch` runs one of
+  idle    nothing (a bubble);
+  F c     chunk c's stage under `jax.vjp`: the output goes to the next stage, the vjp's
+          residuals (a pytree of arrays) into a slot; with `recompute=True` only the
+          stage's input is kept, and B runs the forward again;
+  F last  the same on the last stage, plus the loss and its gradient, which waits here
+          for this stage's B;
+  B c     the residuals' pullback of the output gradient: the input gradient goes to the
+          previous stage and, unless the schedule splits the backward, the weight gradient
+          is added to this chunk's; split, the output gradient waits in the slot for W;
+  W c     the weight gradient alone (the split backward of the zero-bubble schedules).
+Then `ppermute` moves every device's output to the next (right) or previous (left)
+device, wrapping around for interleaved chunks. Residual slots number the schedule's
+`peak_in_flight`, so compiled memory follows the schedule: 1F1B's does not grow with m,
+GPipe's does. Over dp, the gradients are all-reduced (psum) at the end.
+
+`gpipe_baseline` is the simple alternative (the JAX shard_map docs, MaxText): a
+forward-only scanned pipeline differentiated by autodiff, whose memory grows with m.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.collectives import pvary
+from jaxpar.mesh import DP, PP
+from jaxpar.pipeline import runtime_plan
+from jaxpar.pipeline import schedule as schedule_lib
+from jaxpar.pipeline.runtime_plan import F as FIELD
+from jaxpar.pipeline.runtime_plan import LANES
+from jaxpar.pipeline.schedule import Schedule
+
+
+class Grads(NamedTuple):
+    params: Any   # d loss / d params: the structure and shapes of params
+    inputs: Any   # d loss / d inputs: the shape of the batch's inputs
+
+
+def mse(y, targets):
+    """Mean squared error over the microbatch (the lecture MLP's loss)."""
+    return jnp.mean(jnp.square(y - targets))
+
+
+class layers:
+    """A stage function from a per-layer one: `layers(layer_fn)(stage_params, x)` applies
+    layer_fn for each entry of stage_params' leading (layer) axis, in order.
+
+    The runtime takes each layer's parameters out of the stack before the stage's vjp, so
+    the residuals it keeps between F and B hold activations only; a stage function of
+    another kind keeps whatever its vjp saves, slices of its weights included."""
+
+    def __init__(self, layer_fn: Callable):
+        self.layer_fn = layer_fn
+        functools.update_wrapper(self, layer_fn)
+
+    def __call__(self, stage_params, x):
+        return self.apply(unstack(stage_params), x)
+
+    def apply(self, per_layer, x):
+        for p in per_layer:
+            x = self.layer_fn(p, x)
+        return x
+
+
+def unstack(stacked) -> list:
+    """[n, ...] leaves -> a list of n pytrees."""
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    return [jax.tree.map(lambda a: a[j], stacked) for j in range(n)]
+
+
+# ---- checks and layout ---------------------------------------------------------------
+
+def _axis(mesh, name: str) -> int:
+    return mesh.shape.get(name, 1)
+
+
+def check(schedule: Schedule, params, batch, mesh) -> tuple[int, int]:
+    """Raise ValueError (value, constraint, fix) unless `schedule` can run `params` and
+    `batch` on `mesh`; return (layers, local batch rows per microbatch)."""
+    if PP not in mesh.shape:
+        raise ValueError(f"mesh axes {dict(mesh.shape)} have no {PP!r} axis: build one with "
+                         f"mesh.make_mesh(pp={schedule.stages}) (or dp=..., pp=...)")
+    extra = {a: n for a, n in mesh.shape.items() if a not in (DP, PP) and n > 1}
+    if extra:
+        raise ValueError(f"mesh axes {extra}: the pipeline runtime splits over {DP!r} and {PP!r} "
+                         f"only; give the other axes size 1")
+    p, v, mb = _axis(mesh, PP), schedule.chunks, schedule.microbatches
+    if schedule.stages != p:
+        raise ValueError(f"schedule {schedule.name!r} is built for p={schedule.stages} stages but the "
+                         f"mesh has {PP}={p}: make it with schedule.make({schedule.name!r}, stages={p}, ...)")
+    leaves = jax.tree.leaves(params)
+    if not leaves:
+        raise ValueError("params has no arrays: give a pytree whose leaves stack the layers on axis 0")
+    n_layers = leaves[0].shape[0] if leaves[0].ndim else 0
+    if any(a.ndim == 0 or a.shape[0] != n_layers for a in leaves):
+        raise ValueError(f"params leaves have leading axes {[a.shape[:1] for a in leaves]}: every leaf "
+                         f"stacks the same number of layers on axis 0")
+    stages = p * v
+    if n_layers % stages:
+        raise ValueError(f"{n_layers} layers do not split into p*v = {p}*{v} = {stages} stages: use a "
+                         f"layer count divisible by {stages} or another p or v")
+    inputs, targets = batch
+    rows, dp = jnp.shape(inputs)[0], _axis(mesh, DP)
+    if jnp.shape(targets)[0] != rows:
+        raise ValueError(f"inputs have {rows} rows but targets {jnp.shape(targets)[0]}: give one target per row")
+    if rows % (dp * mb):
+        raise ValueError(f"batch of {rows} rows does not split into {DP}={dp} x microbatches={mb}: "
+                         f"use a batch divisible by {dp * mb}, or another microbatch count")
+    return n_layers, rows // (dp * mb)
+
+
+def to_stages(params, schedule: Schedule):
+    """[L, ...] leaves -> [p, v, L/(p v), ...]: entry [d, c] holds stage stage_of(d, c)."""
+    p, v = schedule.stages, schedule.chunks
+    order = np.array([[schedule.stage_of(d, c) for c in range(v)] for d in range(p)])
+
+    def one(a):
+        a = a.reshape(p * v, a.shape[0] // (p * v), *a.shape[1:])
+        return a[order.reshape(-1)].reshape(p, v, *a.shape[1:])
+    return jax.tree.map(one, params)
+
+
+def from_stages(params, schedule: Schedule):
+    """Inverse of to_stages: [p, v, L/(p v), ...] -> [L, ...]."""
+    p, v = schedule.stages, schedule.chunks
+    inverse = np.argsort([schedule.stage_of(d, c) for d in range(p) for c in range(v)])
+
+    def one(a):
+        a = a.reshape(p * v, *a.shape[2:])[inverse]
+        return a.reshape(-1, *a.shape[2:])
+    return jax.tree.map(one, params)
+
+
+# ---- the residuals one stage keeps between F and B ------------------------------------
+
+class _Residuals:
+    """What F keeps for B and W. Without recompute: the leaves of the pytree jax.vjp
+    returns, minus the parameters it was taken with respect to (B has those anyway; for a
+    `layers` stage, each layer's own, so no weight is stored); with recompute: the input."""
+
+    def __init__(self, stage_fn, recompute: bool):
+        self.recompute = recompute
+        if isinstance(stage_fn, layers):
+            self.split, self.fn = unstack, stage_fn.apply
+            self.merge = lambda grads: jax.tree.map(lambda *a: jnp.stack(a), *grads)
+        else:
+            self.split, self.fn, self.merge = (lambda p: p), stage_fn, (lambda g: g)
+
+    def learn(self, split, x):
+        """Trace F once (inside shard_map, with the types the branches will see) to learn
+        the pytree jax.vjp returns and the shapes of the stored leaves."""
+        self.shapes = jax.eval_shape(lambda: self.forward(split, x, learn=True)[1])
+
+    def forward(self, split, x, learn: bool = False):
+        """(y, stored leaves); `split` is self.split(stage params)."""
+        if self.recompute:
+            return self.fn(split, x), [x]
+        y, vjp_fn = jax.vjp(self.fn, split, x)
+        leaves, treedef = jax.tree.flatten(vjp_fn)
+        param_ids = {id(a): j for j, a in enumerate(jax.tree.leaves(split))}
+        layout = [("p", param_ids[id(a)]) if id(a) in param_ids
+                  else ("s", None) if isinstance(a, jax.core.Tracer) else ("c", a) for a in leaves]
+        if learn:
+            self.treedef, self.layout = treedef, layout
+        return y, [a for a, (kind, _) in zip(leaves, layout) if kind == "s"]
+
+    def pullback(self, split, stored) -> Callable:
+        """g -> (d params, d x): the stage's vjp at F's point, rebuilt from the stored leaves."""
+        if self.recompute:
+            vjp_fn = jax.vjp(self.fn, split, stored[0])[1]
+        else:
+            params, stored = jax.tree.leaves(split), iter(stored)
+            vjp_fn = jax.tree.unflatten(self.treedef, [params[j] if kind == "p" else next(stored)
+                                                       if kind == "s" else j for kind, j in self.layout])
+
+        def apply(g):
+            d_split, dx = vjp_fn(g)
+            return self.merge(d_split), dx
+        return apply
+
+
+# ---- the schedule-driven program -------------------------------------------------------
+
+def _varying(x, axes):
+    """x typed varying over every axis in `axes` (shard_map's check_vma: a scan carry and
+    the branches of a switch must agree on it)."""
+    def one(a):
+        for axis in axes:
+            a = pvary(a, axis)
+        return a
+    return jax.tree.map(one, x)
+
+
+def _step_program(plan, loss_fn, residuals: _Residuals, axes, fill, loss_dtype, dp, input_grads):
+    """The per-device program: (stage params [v, Lc, ...], inputs [m, mb, ...], targets) ->
+    (loss, grads [v, Lc, ...], dx [m, mb, ...]), run inside shard_map."""
+    s = plan.schedule
+    m, v = s.microbatches, s.chunks
+    scale = m * dp  # the batch's loss is the mean of m x dp microbatch losses
+    table = jnp.asarray(plan.table)
+
+    def program(params, inputs, targets):
+        # Typed varying over dp too, or the vjp of every B would all-reduce the weight
+        # gradient over dp (the transpose of the implicit pvary); it is summed once, at the end.
+        params = _varying(params, axes)
+        me = jax.lax.axis_index(PP)
+        act = jax.ShapeDtypeStruct(inputs.shape[1:], inputs.dtype)
+        buf = lambda n, a: jnp.full((n + 1, *a.shape), fill if jnp.issubdtype(a.dtype, jnp.inexact) else 0, a.dtype)
+        carry = dict(
+            x=buf(plan.n_x, act), g=buf(plan.n_g, act), gw=buf(plan.n_res, act),
+            grads=jax.tree.map(jnp.zeros_like, params),
+            dx=jnp.full((m, *act.shape), fill, act.dtype) if input_grads else None, loss=jnp.zeros((), loss_dtype))
+        # Each chunk's parameters (each layer's, for a `layers` stage) sliced once, here:
+        # sliced inside a branch, XLA would copy the weights at every step.
+        chunks = [residuals.split(jax.tree.map(lambda a: a[c], params)) for c in range(v)]
+        residuals.learn(chunks[0], _varying(jnp.zeros(act.shape, act.dtype), axes))
+        carry = _varying(dict(carry, res=[buf(plan.n_res, a) for a in residuals.shapes]), axes)
+
+        zero_grads = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), params)
+
+        def forward_branch(kind, c):
+            def run(x_in, target):
+                o = dict(out=x_in, res=[jnp.zeros(a.shape, a.dtype) for a in residuals.shapes],
+                         loss=jnp.zeros((), loss_dtype))
+                if kind != "idle":
+                    o["out"], o["res"] = residuals.forward(chunks[c], x_in)
+                if kind == "F_last":
+                    loss, dy = jax.value_and_grad(loss_fn)(o["out"], target)
+                    o["out"], o["loss"] = (dy / scale).astype(dy.dtype), (loss / scale).astype(loss_dtype)
+                return _varying(o, axes)
+            return run
+
+        def backward_branch(kind, c):
+            def run(g_in, res_in, gw_in):
+                o = dict(out=g_in, grads=zero_grads())
+                if kind != "idle":
+                    d_params, dx = residuals.pullback(chunks[c], res_in)(gw_in if kind == "W" else g_in)
+                    if kind == "B":
+                        o["out"] = dx
+                    if kind == "W" or not s.split_backward:
+                        o["grads"] = d_params
+                return _varying(o, axes)
+            return run
+
+        f_branches = [forward_branch(kind, c) for kind, c in plan.f_branches]
+        b_branches = [backward_branch(kind, c) for kind, c in plan.b_branches]
+
+        def step(carry, row, sends: frozenset):
+            e = row[me]
+            get = lambda name: e[FIELD[name]]
+            c = dict(carry)
+            # backward lane (B or W) first: it may free the residual slot this step's F takes
+            g_in = carry["g"][get("g_read")]
+            b = jax.lax.switch(get("b_branch"), b_branches, g_in,
+                               [r[get("res_read")] for r in carry["res"]], carry["gw"][get("res_read")])
+            c["grads"] = jax.tree.map(lambda g, d: g.at[get("b_chunk")].add(d), carry["grads"], b["grads"])
+            c["gw"] = carry["gw"].at[get("gw_write")].set(g_in)
+            if input_grads:  # dx is returned as it stands (no trash slot): row 0 rewritten when idle
+                j = jnp.minimum(get("dx_write"), m - 1)
+                c["dx"] = carry["dx"].at[j].set(jnp.where(get("dx_write") < m, b["out"], carry["dx"][j]))
+            # forward lane
+            x_in = jnp.where(get("from_batch") > 0, inputs[get("f_microbatch")], carry["x"][get("x_read")])
+            f = jax.lax.switch(get("f_branch"), f_branches, x_in, targets[get("f_microbatch")])
+            c["loss"] = carry["loss"] + f["loss"]
+            c["res"] = [r.at[get("res_write")].set(new) for r, new in zip(carry["res"], f["res"])]
+            # every lane's output to where it is consumed: here, or one device over
+            outs = {"F": f["out"], "B": b["out"]}
+            for lane, direction in sorted(sends):
+                ch = "from_left" if direction == "right" else "from_right"
+                received = jax.lax.ppermute(outs[lane], PP, plan.pairs[lane, direction])
+                for buf in ("x", "g"):
+                    if f"{lane}_{ch}_{buf}" in plan.channels:
+                        c[buf] = c[buf].at[get(f"{lane}_{ch}_{buf}")].set(received)
+            for lane in LANES:
+                for buf in ("x", "g"):
+                    if f"{lane}_local_{buf}" in plan.channels:
+                        c[buf] = c[buf].at[get(f"{lane}_local_{buf}")].set(outs[lane])
+            return c, None
+
+        for start, stop, sends in plan.segments:
+            carry, _ = jax.lax.scan(functools.partial(step, sends=sends), carry, table[start:stop])
+        return carry["loss"], carry["grads"], carry["dx"]
+
+    return program
+
+
+class Pipeline(NamedTuple):
+    """A compiled-ready pipeline step for one schedule, mesh and set of shapes: `step` maps
+    (stage params [p, v, Lc, ...] sharded over pp, inputs, targets) to (loss per pp
+    device, grads in the stage layout, input gradients per pp device); `plan` its tables."""
+    step: Callable
+    plan: runtime_plan.Plan
+    schedule: Schedule
+    mesh: Any
+
+
+def pipeline(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn: Callable = mse,
+             recompute: bool = False, bubble_fill: float = 0.0, input_grads: bool = True) -> Pipeline:
+    """Check everything (ValueError before compiling) and build the jitted step; `params`
+    and `batch` may be arrays or ShapeDtypeStructs (only their shapes are used)."""
+    n_layers, rows = check(schedule, params, batch, mesh)
+    plan = runtime_plan.plan(schedule)
+    p, v, m, dp = schedule.stages, schedule.chunks, schedule.microbatches, _axis(mesh, DP)
+    inputs, targets = batch
+    stage_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct((n_layers // (p * v), *a.shape[1:]), a.dtype), params)
+    x = jax.ShapeDtypeStruct((rows, *jnp.shape(inputs)[1:]), jnp.result_type(inputs))
+    y = jax.eval_shape(stage_fn, stage_params, x)
+    if (y.shape, y.dtype) != (x.shape, x.dtype):
+        raise ValueError(f"stage_fn maps a microbatch {x.shape} {x.dtype} to {y.shape} {y.dtype}: a "
+                         f"pipeline stage must keep the activation's shape and dtype")
+    residuals = _Residuals(stage_fn, recompute)
+    loss_dtype = jax.eval_shape(loss_fn, y, jax.ShapeDtypeStruct((rows, *jnp.shape(targets)[1:]),
+                                                                 jnp.result_type(targets))).dtype
+    has_dp = dp > 1  # a dp axis of size 1 is left alone: XLA keeps collectives over one device
+    axes = (DP, PP) if has_dp else (PP,)
+    program = _step_program(plan, loss_fn, residuals, axes, bubble_fill, loss_dtype, dp if dp > 1 else 1,
+                            input_grads)
+    batch_spec = P(DP) if has_dp else P()
+
+    def local(params, inputs, targets):
+        params = jax.tree.map(lambda a: a[0], params)                 # [v, Lc, ...]
+        split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])  # [m, mb, ...]
+        loss, grads, dx = program(params, split(inputs), split(targets))
+        if has_dp:
+            loss, grads = jax.lax.psum((loss, grads), DP)
+        dx = dx.reshape(-1, *dx.shape[2:])[None] if input_grads else None
+        return loss[None], jax.tree.map(lambda a: a[None], grads), dx
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(PP), batch_spec, batch_spec),
+                                 out_specs=(P(PP), P(PP), (P(PP, DP) if has_dp else P(PP)) if input_grads else None)))
+    return Pipeline(step=step, plan=plan, schedule=schedule, mesh=mesh)
+
+
+def run(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn: Callable = mse,
+        recompute: bool = False, bubble_fill: float = 0.0, input_grads: bool = True) -> tuple[jax.Array, Grads]:
+    """Run one training step's forward and backward with `schedule` on `mesh` (axes pp, and
+    optionally dp): (loss, Grads(params, inputs)), equal to the unsharded model's.
+
+    batch = (inputs [B, ...], targets [B, ...]); B splits over dp, then into microbatches.
+    recompute: keep only each stage's input between F and B and run the forward again in B.
+    bubble_fill: the value unused buffer slots start with (NaN checks nothing reads them).
+    input_grads: also return d loss / d inputs (False: Grads.inputs is None, and the m
+    microbatches' input gradients take no memory)."""
+    pipe = pipeline(schedule, stage_fn, params, batch, mesh=mesh, loss_fn=loss_fn,
+                    recompute=recompute, bubble_fill=bubble_fill, input_grads=input_grads)
+    return run_pipeline(pipe, params, batch)
+
+
+# ---- the GPipe baseline: a forward-only scanned pipeline, differentiated by autodiff ----
+
+def gpipe_baseline(stage_fn: Callable, params, batch, *, mesh, microbatches: int,
+                   loss_fn: Callable = mse, bubble_fill: float = 0.0) -> Pipeline:
+    """The pipeline of the JAX shard_map docs and MaxText: at step t device d runs its stage
+    on microbatch t - d and ppermutes the result to d + 1; m + p - 1 steps; the backward is
+    jax.grad of the whole scan, so every step's residuals are kept: memory grows with m.
+    Returns a Pipeline whose `step` has the runtime's signature (stage layout with v = 1)."""
+    p, dp = _axis(mesh, PP), _axis(mesh, DP)
+    schedule = schedule_lib.make("gpipe", stages=p, microbatches=microbatches)
+    _, rows = check(schedule, params, batch, mesh)
+    m, has_dp = microbatches, dp > 1
+    axes = (DP, PP) if has_dp else (PP,)
+    chain = [(d, d + 1) for d in range(p - 1)]
+
+    def local(params, inputs, targets):
+        stage_params = jax.tree.map(lambda a: a[0, 0], params)       # [Lc, ...]
+        split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])  # [m, mb, ...]
+        me = jax.lax.axis_index(PP)
+
+        def loss_of(stage_params, inputs):
+            xs, ts = split(inputs), split(targets)
+            state = _varying(jnp.full(xs.shape[1:], bubble_fill, xs.dtype), axes)
+            outs = _varying(jnp.full(xs.shape, bubble_fill, xs.dtype), axes)
+
+            def step(carry, t):
+                state, outs = carry
+                i = t - me                                  # the microbatch this device runs
+                valid = (i >= 0) & (i < m)
+                x = jnp.where(me == 0, xs[jnp.clip(t, 0, m - 1)], state)
+                y = stage_fn(stage_params, jnp.where(valid, x, 0))  # a bubble runs on zeros
+                outs = outs.at[jnp.where(valid & (me == p - 1), i, m)].set(y, mode="drop")
+                return (jax.lax.ppermute(y, PP, chain) if chain else y, outs), None
+
+            (_, outs), _ = jax.lax.scan(step, (state, outs), jnp.arange(m + p - 1))
+            outs = jnp.where(me == p - 1, outs, 0)          # only the last stage's are outputs
+            loss = jnp.mean(jax.vmap(loss_fn)(outs, ts)) / dp
+            return jnp.where(me == p - 1, loss, 0)
+
+        # Differentiated with respect to copies typed varying over every axis, so each
+        # device's gradient stays its own (device 0's input gradient; each dp shard's weight
+        # gradient, all-reduced once below) rather than all-reduced where JAX meets them.
+        loss, (grads, dx) = jax.value_and_grad(loss_of, argnums=(0, 1))(
+            _varying(stage_params, axes), _varying(inputs, axes))
+        if has_dp:
+            loss, grads = jax.lax.psum((loss, grads), DP)
+        return loss[None], jax.tree.map(lambda a: a[None, None], grads), dx[None]
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(PP), P(DP) if has_dp else P(), P(DP) if has_dp else P()),
+                                 out_specs=(P(PP), P(PP), P(PP, DP) if has_dp else P(PP))))
+    return Pipeline(step=step, plan=None, schedule=schedule, mesh=mesh)
+
+
+def run_pipeline(pipe: Pipeline, params, batch) -> tuple[jax.Array, Grads]:
+    """Run a built Pipeline on global params ([L, ...] leaves) and batch: (loss, Grads)."""
+    loss, grads, dx = pipe.step(to_stages(params, pipe.schedule), *batch)
+    # the loss is on the last stage's device, zero elsewhere; the input gradient on device 0
+    return loss.sum(), Grads(params=from_stages(grads, pipe.schedule), inputs=None if dx is None else dx[0])

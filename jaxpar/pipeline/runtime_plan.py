@@ -1,0 +1,226 @@
+"""The static half of the pipeline runtime: a Schedule turned into integer tables.
+
+`plan(schedule)` reads the schedule's table once, in Python, and writes for every step and
+device what the SPMD program must do: which branch of the `lax.switch` runs (idle, F of a
+chunk, F of the last stage with the loss, B, W), which microbatch, which buffer slot holds
+its input, where its residuals go, and where its output lands on the receiving device.
+The runtime (`runtime.py`) only indexes these tables with `lax.axis_index("pp")`.
+
+SPMD devices move in lockstep: a step lasts as long as its slowest device. A step therefore
+has two lanes per device, a backward lane (B or W) and then a forward lane (F), so that in
+1F1B's steady state every device does one B and one F per step, as the schedule has it,
+rather than a step of B on one device waiting beside an F on the next. Each action goes,
+in the order of the schedule's ticks, to the earliest step that respects
+  * its inputs: produced at an earlier step (data moves at the end of a step);
+  * its device's order: after the action before it, in the same step only when that one
+    is a B or W and this an F (the backward lane runs first);
+so every device runs exactly its program, in its order, and the residual slots follow.
+At the end of every step each lane's output moves: to the device itself (the loss
+gradient of the last stage, the turn of the V layout), to the next device (`right`: d ->
+d + 1, wrapping for interleaved chunks) or to the previous one (`left`). Consecutive steps
+that move data the same ways form a segment; the runtime runs one `lax.scan` per segment
+with a `ppermute` only for the (lane, direction) pairs it uses, so the compiled
+collective-permutes are exactly the schedule's: one per step, lane and direction in which
+some device sends (`permutes`); together they carry every one of `Schedule.sends`.
+
+Buffers hold, per device, `slots + 1` entries; the last is the trash slot that writes with
+nothing to write go to, so no step needs a conditional write. Slot counts are the most
+entries a device ever holds at once:
+  x   activations received, waiting for their F;
+  g   output gradients received (or the loss gradient), waiting for their B;
+  res the vjp residuals of an F, until its B (or W when the backward is split): the
+      schedule's `peak_in_flight`, so the compiled memory follows the schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxpar.pipeline.schedule import Schedule
+
+IDLE = 0
+LANES = ("B", "F")  # run in this order within a step: B frees a slot that F may take
+# fields of one table entry (step, device); channels say where an output lands on arrival
+FIELDS = ("f_branch", "f_microbatch", "from_batch", "x_read", "res_write",
+          "b_branch", "b_microbatch", "b_chunk", "g_read", "res_read", "gw_write", "dx_write",
+          "F_local_x", "F_from_left_x", "F_from_right_x", "F_local_g",
+          "B_local_g", "B_from_left_g", "B_from_right_g")
+F = {name: i for i, name in enumerate(FIELDS)}
+CHANNELS = ("local", "from_left", "from_right")  # own output; sent right by d-1; sent left by d+1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """schedule's tables: `table[step, device, field]` (FIELDS), slot counts, the schedule
+    tick each step starts at, and the segments (start, stop, sends) of steps whose sends
+    are the same set of (lane, direction) pairs. `f_branches` / `b_branches` name each
+    lane's switch branches in order (kind, chunk); `pairs[lane, direction]` are the
+    (source, destination) devices of that ppermute; `channels` the receive fields used."""
+
+    schedule: Schedule
+    table: np.ndarray
+    ticks: tuple[int, ...]
+    n_x: int
+    n_g: int
+    n_res: int
+    segments: tuple[tuple[int, int, frozenset], ...]
+    pairs: dict
+    f_branches: tuple[tuple[str, int], ...]
+    b_branches: tuple[tuple[str, int], ...]
+    channels: frozenset
+    transfers: int
+
+    @property
+    def steps(self) -> int:
+        return len(self.ticks)
+
+    @property
+    def permutes(self) -> int:
+        """collective-permute executions per pipeline step: one per (step, lane, direction)
+        in which at least one device sends."""
+        return sum((stop - start) * len(sends) for start, stop, sends in self.segments)
+
+    def expected_collectives(self, activation_bytes: int) -> dict[str, tuple[int, int]]:
+        """{kind: (count, bytes)} the compiled step must show over `pp`, `activation_bytes`
+        being one microbatch's activation on one device (comms.nonzero form)."""
+        return {"collective-permute": (self.permutes, self.permutes * activation_bytes)} if self.permutes else {}
+
+
+def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
+    """Lowest-free slot for each (written at the end of step `a`, read at the start of step
+    `c`, key); a slot read at step c can be written again at the end of step c."""
+    free_at: list[int] = []  # per slot, the step from whose end it may be written again
+    where = {}
+    for a, c, key in sorted(intervals, key=lambda t: (t[0], t[1])):
+        slot = next((j for j, f in enumerate(free_at) if f <= a), len(free_at))
+        if slot == len(free_at):
+            free_at.append(0)
+        free_at[slot] = c
+        where[key] = slot
+    return where, len(free_at)
+
+
+def _lane(kind: str) -> str:
+    return "F" if kind == "F" else "B"
+
+
+def _steps(s: Schedule) -> tuple[dict, list[int]]:
+    """Step of every action (kind, microbatch, stage), and the tick each step starts at."""
+    step: dict = {}
+    prev: dict[int, tuple[str, int]] = {}
+    order = sorted((t, d, a) for d in range(s.stages) for t, a in s.program(d))
+    ticks: dict[int, int] = {}
+    for t, d, a in order:
+        lane = _lane(a.kind)
+        j = 1 + max((step[key] for key in s.inputs(d, a)), default=-1)
+        if d in prev:
+            p_lane, p_step = prev[d]
+            j = max(j, p_step if (p_lane, lane) == ("B", "F") else p_step + 1)
+        step[s._key(d, a)] = j
+        prev[d] = (lane, j)
+        ticks.setdefault(j, t)
+    return step, [ticks[j] for j in range(max(ticks) + 1)] if ticks else []
+
+
+def plan(s: Schedule) -> Plan:
+    """The tables for schedule `s` (validated first: a table that cannot run raises
+    ScheduleError, a ValueError)."""
+    s.validate()
+    p, m, v, last = s.stages, s.microbatches, s.chunks, s.virtual_stages - 1
+    at, ticks = _steps(s)
+    last_chunk = s.device_of(last)[1]
+    f_branches = [("idle", 0)] + [("F", c) for c in range(v)] + [("F_last", last_chunk)]
+    b_branches = [("idle", 0)] + [("B", c) for c in range(v)] + ([("W", c) for c in range(v)] if s.split_backward else [])
+    f_of, b_of = {b: j for j, b in enumerate(f_branches)}, {b: j for j, b in enumerate(b_branches)}
+
+    # Deliveries: (receiver, buffer, key (i, stage), arrival step, consume step, field)
+    deliveries, sends = [], set()  # sends: (step, lane, direction, src, dst)
+    for d in range(p):
+        for _, a in s.program(d):
+            k, i = s.stage_of(d, a.chunk), a.microbatch
+            j = at["F" if a.kind == "F" else a.kind, i, k]
+            if a.kind == "F" and k == last:  # the loss gradient stays here for this stage's B
+                deliveries.append((d, "g", (i, k), j, at["B", i, k], "F_local_g"))
+                continue
+            if a.kind == "F":
+                target, buf, lane = k + 1, "x", "F"
+            elif a.kind == "B" and k > 0:
+                target, buf, lane = k - 1, "g", "B"
+            else:
+                continue
+            consume = at["F" if buf == "x" else "B", i, target]
+            dd = s.device_of(target)[0]
+            if dd == d:
+                ch = "local"
+            else:
+                right, left = dd == (d + 1) % p, dd == (d - 1) % p
+                # p = 2: both neighbours are one device; activations go right, gradients left
+                direction = "right" if right and (lane == "F" or not left) else "left"
+                sends.add((j, lane, direction, d, dd))
+                ch = "from_left" if direction == "right" else "from_right"
+            deliveries.append((dd, buf, (i, target), j, consume, f"{lane}_{ch}_{buf}"))
+
+    slots, n = {}, {}
+    for buf in ("x", "g"):
+        n[buf] = 0
+        for d in range(p):
+            where, c = _allocate([(a, c, key) for dd, b, key, a, c, _ in deliveries if dd == d and b == buf])
+            slots.update({(d, buf, key): w for key, w in where.items()})
+            n[buf] = max(n[buf], c)
+    res_slot, n_res = {}, 0
+    for d in range(p):
+        ivs = [(at["F", a.microbatch, s.stage_of(d, a.chunk)],
+                at["W" if s.split_backward else "B", a.microbatch, s.stage_of(d, a.chunk)],
+                (a.microbatch, s.stage_of(d, a.chunk))) for _, a in s.program(d) if a.kind == "F"]
+        where, c = _allocate(ivs)
+        res_slot.update({(d, key): w for key, w in where.items()})
+        n_res = max(n_res, c)
+
+    table = np.zeros((len(ticks), p, len(FIELDS)), np.int32)
+    for name in FIELDS[FIELDS.index("F_local_x"):]:
+        table[:, :, F[name]] = n[name[-1]]              # the trash slot
+    table[:, :, F["res_write"]] = table[:, :, F["gw_write"]] = n_res
+    table[:, :, F["dx_write"]] = m
+    for d in range(p):
+        for _, a in s.program(d):
+            i, c = a.microbatch, a.chunk
+            k = s.stage_of(d, c)
+            row = table[at[a.kind, i, k], d]
+            if a.kind == "F":
+                row[F["f_branch"]] = f_of["F_last", c] if k == last else f_of["F", c]
+                row[F["f_microbatch"]], row[F["res_write"]] = i, res_slot[d, (i, k)]
+                if k == 0:
+                    row[F["from_batch"]] = 1
+                else:
+                    row[F["x_read"]] = slots[d, "x", (i, k)]
+                continue
+            row[F["b_branch"]] = b_of[a.kind, c]
+            row[F["b_microbatch"]], row[F["b_chunk"]], row[F["res_read"]] = i, c, res_slot[d, (i, k)]
+            if a.kind == "B":
+                row[F["g_read"]] = slots[d, "g", (i, k)]
+                if s.split_backward:
+                    row[F["gw_write"]] = res_slot[d, (i, k)]
+                if k == 0:
+                    row[F["dx_write"]] = i
+    for dd, buf, key, j, _, field in deliveries:
+        table[j, dd, F[field]] = slots[dd, buf, key]
+
+    by_step: dict[int, set] = {}
+    for j, lane, direction, _, _ in sends:
+        by_step.setdefault(j, set()).add((lane, direction))
+    segments: list[tuple[int, int, frozenset]] = []
+    for j in range(len(ticks)):
+        key = frozenset(by_step.get(j, ()))
+        if segments and segments[-1][2] == key:
+            segments[-1] = (segments[-1][0], j + 1, key)
+        else:
+            segments.append((j, j + 1, key))
+    pairs = {}
+    for _, lane, direction, src, dst in sends:
+        pairs.setdefault((lane, direction), set()).add((src, dst))
+    return Plan(schedule=s, table=table, ticks=tuple(ticks), n_x=n["x"], n_g=n["g"], n_res=n_res,
+                segments=tuple(segments), pairs={k: tuple(sorted(v)) for k, v in pairs.items()},
+                f_branches=tuple(f_branches), b_branches=tuple(b_branches),
+                channels=frozenset(field for *_, field in deliveries), transfers=len(sends))

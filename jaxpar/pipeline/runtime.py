@@ -426,3 +426,8 @@ def run_pipeline(pipe: Pipeline, params, batch) -> tuple[jax.Array, Grads]:
     loss, grads, dx = pipe.step(to_stages(params, pipe.schedule), *batch)
     # the loss is on the last stage's device, zero elsewhere; the input gradient on device 0
     return loss.sum(), Grads(params=from_stages(grads, pipe.schedule), inputs=None if dx is None else dx[0])
+
+
+def tour_check():
+    from jaxpar.pipeline.runtime_checks import tour_check
+    return tour_check()

@@ -11,23 +11,23 @@ x) -> y` runs them (`layers(layer_fn)` builds one from a per-layer function; y h
 shape). `loss_fn(y, targets) -> scalar` must be a mean over the microbatch, so that the
 mean over microbatches (and dp shards) is the whole batch's loss.
 
-Inside `shard_map` over `pp` (and `dp`), `lax.scan` walks the schedule's steps (its start
-ticks; `runtime_plan`). At each step a device reads its entry of the static tables,
-indexed by `lax.axis_index("pp")`, and `lax.switch` runs one of
-  idle    nothing (a bubble);
-  F c     chunk c's stage under `jax.vjp`: the output goes to the next stage, the vjp's
-          residuals (a pytree of arrays) into a slot; with `recompute=True` only the
-          stage's input is kept, and B runs the forward again;
-  F last  the same on the last stage, plus the loss and its gradient, which waits here
-          for this stage's B;
-  B c     the residuals' pullback of the output gradient: the input gradient goes to the
-          previous stage and, unless the schedule splits the backward, the weight gradient
-          is added to this chunk's; split, the output gradient waits in the slot for W;
-  W c     the weight gradient alone (the split backward of the zero-bubble schedules).
-Then `ppermute` moves every device's output to the next (right) or previous (left)
-device, wrapping around for interleaved chunks. Residual slots number the schedule's
-`peak_in_flight`, so compiled memory follows the schedule: 1F1B's does not grow with m,
-GPipe's does. Over dp, the gradients are all-reduced (psum) at the end.
+Inside `shard_map` over `pp` (and `dp`), `lax.scan` walks the steps of the schedule's
+plan (`runtime_plan`: its table as integer tables). At each step a device reads its entry,
+indexed by `lax.axis_index("pp")`, and runs two lanes, each a `lax.switch`:
+  backward lane  idle; B c: the pullback of the output gradient rebuilt from the slot of
+                 chunk c's F: the input gradient goes to the previous stage and, unless
+                 the schedule splits the backward, the weight gradient is added to the
+                 chunk's; split, the output gradient waits in the slot for W; W c: the
+                 weight gradient alone (the zero-bubble schedules);
+  forward lane   idle; F c: chunk c's stage under `jax.vjp`, the output to the next stage,
+                 the vjp's residuals (a pytree of arrays) into a slot, or with
+                 `recompute=True` only the input (B runs the forward again); F last: the
+                 same plus the loss and its gradient, which waits here for this stage's B.
+Then `ppermute` moves each lane's output to the next (right) or previous (left) device,
+wrapping around for interleaved chunks, only in the steps and directions the schedule
+sends. Residual slots number the schedule's `peak_in_flight`, so compiled memory follows
+the schedule: 1F1B's does not grow with m, GPipe's does. Over dp, the gradients are
+all-reduced (psum) once, at the end.
 
 `gpipe_baseline` is the simple alternative (the JAX shard_map docs, MaxText): a
 forward-only scanned pipeline differentiated by autodiff, whose memory grows with m.

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxpar import comms, reference
 from jaxpar import mesh as mesh_lib
-from jaxpar.mesh import DP, PP
+from jaxpar.mesh import DP
 from jaxpar.pipeline import runtime, schedule, stages
 
 

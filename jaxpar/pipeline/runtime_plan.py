@@ -224,3 +224,29 @@ def plan(s: Schedule) -> Plan:
                 segments=tuple(segments), pairs={k: tuple(sorted(v)) for k, v in pairs.items()},
                 f_branches=tuple(f_branches), b_branches=tuple(b_branches),
                 channels=frozenset(field for *_, field in deliveries), transfers=len(sends))
+
+
+def ascii_steps(pl: Plan) -> str:
+    """The SPMD steps the runtime executes, one row per device, one cell per step: the
+    backward lane then the forward lane ("B0F4": B of microbatch 0, then F of 4; W for
+    the weight gradient; chunk c > 0 as ".c"; "." idle). Arrows mark the steps that send."""
+    s, t = pl.schedule, pl.table
+
+    def cell(j: int, d: int) -> str:
+        e = t[j, d]
+        out = ""
+        kind, c = pl.b_branches[e[F["b_branch"]]]
+        if kind != "idle":
+            out += f"{kind}{e[F['b_microbatch']]}" + (f".{c}" if c else "")
+        kind, c = pl.f_branches[e[F["f_branch"]]]
+        if kind != "idle":
+            out += f"F{e[F['f_microbatch']]}" + (f".{c}" if c else "")
+        return out or "."
+
+    cells = [[cell(j, d) for j in range(pl.steps)] for d in range(s.stages)]
+    width = max(len(c) for row in cells for c in row)
+    lines = [f"{s.name}: p={s.stages} m={s.microbatches}" + (f" v={s.chunks}" if s.chunks > 1 else "")
+             + f", {pl.steps} SPMD steps for {s.total_time} schedule ticks, {pl.permutes} collective-permutes"]
+    for d, row in enumerate(cells):
+        lines.append(f"device {d}: " + " ".join(c.ljust(width) for c in row))
+    return "\n".join(lines)

@@ -7,8 +7,8 @@ B=1 for the input gradient and W=1 for the weight gradient), so `occupancy(devic
 gives what a device is busy with at every tick and `program(device)` its ordered
 actions with their start ticks. Everything else is read from that table: the bubble,
 the peak live activations, the sends between devices, the ASCII/PNG/Perfetto
-timelines (`schedule_viz`) and the validator; the planned JAX runtime (issue 5) will
-execute these tables.
+timelines (`schedule_viz`) and the validator; the JAX runtime (`runtime.py`) executes
+these tables.
 
 Generators give each device an ordered program and `schedule_orders.simulate` places
 every action at the earliest tick its device and its inputs allow, as a device with
@@ -86,7 +86,7 @@ class Schedule:
     device, per-kind `costs` in ticks, `split_backward` (B is input-gradient only, W the
     weight gradient), `actions[tick][device]` = the Action starting there, or None, and
     the `layout` of the chunks over the model (`stage_of`; one of LAYOUTS). Every reader
-    of the table (and the planned runtime, issue 5) maps (device, chunk) to a stage through it.
+    of the table (and the runtime) maps (device, chunk) to a stage through it.
 
     Construction checks the shape of the table (ValueError, or ScheduleError when an entry
     is well formed but not an action of this schedule); `validate()` checks it can run.
@@ -258,7 +258,7 @@ class Schedule:
     def peak_in_flight(self) -> list[int]:
         """Per device, the most microbatch-chunks whose weight gradient is still to come
         (from F to the end of W; equals `peak_activations` without the backward split):
-        the slots for vjp residuals that the planned runtime (issue 5) will keep."""
+        the slots for vjp residuals that the runtime keeps (`runtime_plan`)."""
         return self._peak("W" if self.split_backward else "B")
 
     @functools.cached_property

@@ -102,3 +102,10 @@ def test_output_cut_short_by_the_reader_is_not_an_error():
     proc.stdout.close()
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 0 and "Traceback" not in err, err
+
+
+def test_schedule_steps_prints_the_runtime_steps(capsys):
+    assert cli.main(["schedule", "1f1b", "-p", "4", "-m", "6", "--steps"]) == 0
+    out = capsys.readouterr().out
+    assert "1f1b: p=4 m=6, 16 SPMD steps for 27 schedule ticks, 21 collective-permutes" in out
+    assert "device 3: .    .    .    F0   B0F1 B1   F2" in out

@@ -6,6 +6,7 @@
     jaxpar schedule dualpipe-v -p 4 -m 8           two chunks per device in a V (DualPipeV, ZB-V)
     jaxpar schedule --all -p 8 -m 64               every schedule side by side
     jaxpar schedule gpipe --json | --png t.png | --trace t.json   (Perfetto: ui.perfetto.dev)
+    jaxpar schedule 1f1b --steps                   also the SPMD steps the JAX runtime runs
 
 Time is in ticks of one action, peaks in live microbatches; interleaved and dualpipe-v run
 each action on one chunk, 1/v of a stage, so there ticks and peaks are chunk-sized and
@@ -42,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the schedule (table, stats, sends) as JSON")
     parser.add_argument("--png", metavar="PATH", help="write a timeline figure")
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace JSON")
+    parser.add_argument("--steps", action="store_true",
+                        help="also print the SPMD steps the pipeline runtime executes (backward lane, then "
+                             "forward lane, per device), their count and the collective-permutes")
 
 
 def parse_costs(text: str | None) -> dict[str, int] | None:
@@ -122,6 +126,9 @@ def main(args) -> int:
         return 0
     print(s.ascii())
     print(f"\nsends between devices: {len(s.sends)}")
+    if args.steps:
+        from jaxpar.pipeline import runtime_plan  # numpy only: still no JAX start-up
+        print("\n" + runtime_plan.ascii_steps(runtime_plan.plan(s)))
     print(textwrap.fill(schedule_viz.LEGEND, 100, initial_indent="legend: ", subsequent_indent="  "))
     for path, what in ((args.png, "timeline figure"), (args.trace, "Chrome trace (ui.perfetto.dev)")):
         if path:

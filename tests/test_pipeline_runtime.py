@@ -411,7 +411,7 @@ def runtime_cases(draw):
     return name, p, m, dp
 
 
-@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(runtime_cases())
 def test_drawn_cases_match_unsharded_and_collectives(case):
     name, p, m, dp = case

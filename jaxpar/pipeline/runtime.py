@@ -47,7 +47,6 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.collectives import pvary
 from jaxpar.mesh import DP, PP
 from jaxpar.pipeline import runtime_plan
-from jaxpar.pipeline import schedule as schedule_lib
 from jaxpar.pipeline.runtime_plan import F as FIELD
 from jaxpar.pipeline.runtime_plan import LANES
 from jaxpar.pipeline.schedule import Schedule
@@ -356,7 +355,9 @@ def pipeline(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, los
 def run(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn: Callable = mse,
         recompute: bool = False, bubble_fill: float = 0.0, input_grads: bool = True) -> tuple[jax.Array, Grads]:
     """Run one training step's forward and backward with `schedule` on `mesh` (axes pp, and
-    optionally dp): (loss, Grads(params, inputs)), equal to the unsharded model's.
+    optionally dp): (loss, Grads(params, inputs)), equal to the unsharded model's. Each call
+    builds and compiles the step; in a loop, build it once with `pipeline(...)` and call
+    `run_pipeline(pipe, params, batch)`.
 
     batch = (inputs [B, ...], targets [B, ...]); B splits over dp, then into microbatches.
     recompute: keep only each stage's input between F and B and run the forward again in B.
@@ -366,59 +367,6 @@ def run(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn:
     pipe = pipeline(schedule, stage_fn, params, batch, mesh=mesh, loss_fn=loss_fn,
                     recompute=recompute, bubble_fill=bubble_fill, input_grads=input_grads)
     return run_pipeline(pipe, params, batch)
-
-
-# ---- the GPipe baseline: a forward-only scanned pipeline, differentiated by autodiff ----
-
-def gpipe_baseline(stage_fn: Callable, params, batch, *, mesh, microbatches: int,
-                   loss_fn: Callable = mse, bubble_fill: float = 0.0) -> Pipeline:
-    """The pipeline of the JAX shard_map docs and MaxText: at step t device d runs its stage
-    on microbatch t - d and ppermutes the result to d + 1; m + p - 1 steps; the backward is
-    jax.grad of the whole scan, so every step's residuals are kept: memory grows with m.
-    Returns a Pipeline whose `step` has the runtime's signature (stage layout with v = 1)."""
-    p, dp = _axis(mesh, PP), _axis(mesh, DP)
-    schedule = schedule_lib.make("gpipe", stages=p, microbatches=microbatches)
-    _, rows = check(schedule, params, batch, mesh)
-    m, has_dp = microbatches, dp > 1
-    axes = (DP, PP) if has_dp else (PP,)
-    chain = [(d, d + 1) for d in range(p - 1)]
-
-    def local(params, inputs, targets):
-        stage_params = jax.tree.map(lambda a: a[0, 0], params)       # [Lc, ...]
-        split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])  # [m, mb, ...]
-        me = jax.lax.axis_index(PP)
-
-        def loss_of(stage_params, inputs):
-            xs, ts = split(inputs), split(targets)
-            state = _varying(jnp.full(xs.shape[1:], bubble_fill, xs.dtype), axes)
-            outs = _varying(jnp.full(xs.shape, bubble_fill, xs.dtype), axes)
-
-            def step(carry, t):
-                state, outs = carry
-                i = t - me                                  # the microbatch this device runs
-                valid = (i >= 0) & (i < m)
-                x = jnp.where(me == 0, xs[jnp.clip(t, 0, m - 1)], state)
-                y = stage_fn(stage_params, jnp.where(valid, x, 0))  # a bubble runs on zeros
-                outs = outs.at[jnp.where(valid & (me == p - 1), i, m)].set(y, mode="drop")
-                return (jax.lax.ppermute(y, PP, chain) if chain else y, outs), None
-
-            (_, outs), _ = jax.lax.scan(step, (state, outs), jnp.arange(m + p - 1))
-            outs = jnp.where(me == p - 1, outs, 0)          # only the last stage's are outputs
-            loss = jnp.mean(jax.vmap(loss_fn)(outs, ts)) / dp
-            return jnp.where(me == p - 1, loss, 0)
-
-        # Differentiated with respect to copies typed varying over every axis, so each
-        # device's gradient stays its own (device 0's input gradient; each dp shard's weight
-        # gradient, all-reduced once below) rather than all-reduced where JAX meets them.
-        loss, (grads, dx) = jax.value_and_grad(loss_of, argnums=(0, 1))(
-            _varying(stage_params, axes), _varying(inputs, axes))
-        if has_dp:
-            loss, grads = jax.lax.psum((loss, grads), DP)
-        return loss[None], jax.tree.map(lambda a: a[None, None], grads), dx[None]
-
-    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(PP), P(DP) if has_dp else P(), P(DP) if has_dp else P()),
-                                 out_specs=(P(PP), P(PP), P(PP, DP) if has_dp else P(PP))))
-    return Pipeline(step=step, plan=None, schedule=schedule, mesh=mesh)
 
 
 def run_pipeline(pipe: Pipeline, params, batch) -> tuple[jax.Array, Grads]:
@@ -431,3 +379,12 @@ def run_pipeline(pipe: Pipeline, params, batch) -> tuple[jax.Array, Grads]:
 def tour_check():
     from jaxpar.pipeline.runtime_checks import tour_check
     return tour_check()
+
+
+def gpipe_baseline(stage_fn: Callable, params, batch, *, mesh, microbatches: int, loss_fn: Callable = mse,
+                   bubble_fill: float = 0.0) -> Pipeline:
+    """The forward-only scanned pipeline differentiated by autodiff (`baseline.py`): a
+    Pipeline with the same step signature, whose memory grows with m."""
+    from jaxpar.pipeline import baseline  # it imports this module
+    return baseline.gpipe_baseline(stage_fn, params, batch, mesh=mesh, microbatches=microbatches,
+                                   loss_fn=loss_fn, bubble_fill=bubble_fill)

@@ -27,6 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxpar.pipeline import runtime, runtime_checks, runtime_plan, schedule, stages  # noqa: E402
+from jaxpar.testing import max_abs_diff  # noqa: E402
 
 
 def demo_lecture_model():
@@ -39,8 +40,7 @@ def demo_lecture_model():
         ref_loss, ref = stages.unsharded(stages.mlp_stage, params, batch)
         for m in (1, 4, 8):
             loss, grads = runtime.run(schedule.make("1f1b", 4, m), stages.mlp_stage, params, batch, mesh=m4)
-            err = max(float(jnp.max(jnp.abs(a - b))) for a, b in
-                      zip(jax.tree.leaves((loss, grads)), jax.tree.leaves((ref_loss, ref))))
+            err = max_abs_diff((loss, grads), (ref_loss, ref))
             print(f"  m={m}: max |pipeline - single device| over loss, dx, all weights = {err:.1e} "
                   f"(lecture: below 1e-9)  {'ok' if err < 1e-9 else 'FAIL'}")
     finally:

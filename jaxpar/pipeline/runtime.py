@@ -216,7 +216,7 @@ def _step_program(plan, loss_fn, residuals: _Residuals, axes, fill, loss_dtype, 
     """The per-device program: (stage params [v, Lc, ...], inputs [m, mb, ...], targets) ->
     (loss, grads [v, Lc, ...], dx [m, mb, ...]), run inside shard_map."""
     s = plan.schedule
-    m, v = s.microbatches, s.chunks
+    m, v, split = s.microbatches, s.chunks, s.split_backward
     scale = m * dp  # the batch's loss is the mean of m x dp microbatch losses
     table = jnp.asarray(plan.table)
 
@@ -228,7 +228,8 @@ def _step_program(plan, loss_fn, residuals: _Residuals, axes, fill, loss_dtype, 
         act = jax.ShapeDtypeStruct(inputs.shape[1:], inputs.dtype)
         buf = lambda n, a: jnp.full((n + 1, *a.shape), fill if jnp.issubdtype(a.dtype, jnp.inexact) else 0, a.dtype)
         carry = dict(
-            x=buf(plan.n_x, act), g=buf(plan.n_g, act), gw=buf(plan.n_res, act),
+            x=buf(plan.n_x, act), g=buf(plan.n_g, act),
+            gw=buf(plan.n_res, act) if split else None,  # output gradients kept from B for W
             grads=jax.tree.map(jnp.zeros_like, params),
             dx=jnp.full((m, *act.shape), fill, act.dtype) if input_grads else None, loss=jnp.zeros((), loss_dtype))
         # Each chunk's parameters (each layer's, for a `layers` stage) sliced once, here:
@@ -258,7 +259,7 @@ def _step_program(plan, loss_fn, residuals: _Residuals, axes, fill, loss_dtype, 
                     d_params, dx = residuals.pullback(chunks[c], res_in)(gw_in if kind == "W" else g_in)
                     if kind == "B":
                         o["out"] = dx
-                    if kind == "W" or not s.split_backward:
+                    if kind == "W" or not split:
                         o["grads"] = d_params
                 return _varying(o, axes)
             return run
@@ -272,10 +273,11 @@ def _step_program(plan, loss_fn, residuals: _Residuals, axes, fill, loss_dtype, 
             c = dict(carry)
             # backward lane (B or W) first: it may free the residual slot this step's F takes
             g_in = carry["g"][get("g_read")]
-            b = jax.lax.switch(get("b_branch"), b_branches, g_in,
-                               [r[get("res_read")] for r in carry["res"]], carry["gw"][get("res_read")])
+            b = jax.lax.switch(get("b_branch"), b_branches, g_in, [r[get("res_read")] for r in carry["res"]],
+                               carry["gw"][get("res_read")] if split else g_in)
             c["grads"] = jax.tree.map(lambda g, d: g.at[get("b_chunk")].add(d), carry["grads"], b["grads"])
-            c["gw"] = carry["gw"].at[get("gw_write")].set(g_in)
+            if split:
+                c["gw"] = carry["gw"].at[get("gw_write")].set(g_in)
             if input_grads:  # dx is returned as it stands (no trash slot): row 0 rewritten when idle
                 j = jnp.minimum(get("dx_write"), m - 1)
                 c["dx"] = carry["dx"].at[j].set(jnp.where(get("dx_write") < m, b["out"], carry["dx"][j]))

@@ -23,6 +23,7 @@ from jaxpar import comms, reference
 from jaxpar import mesh as mesh_lib
 from jaxpar.mesh import DP
 from jaxpar.pipeline import runtime, schedule, stages
+from jaxpar.testing import max_abs_diff
 
 
 @dataclasses.dataclass
@@ -85,9 +86,8 @@ def compare(name: str, stages_: int, microbatches: int, *, dp: int = 1, kind: st
     measured = comms.nonzero(comms.summarize(comms.collective_ops_from_hlo(compiled.as_text())))
     loss, grads = runtime.run_pipeline(pipe._replace(step=compiled), params, batch)
     ref_loss, ref = stages.unsharded(stage_fn, params, batch)
-    diff = lambda a, b: max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    errors = {"loss": diff(loss, ref_loss), "inputs": diff(grads.inputs, ref.inputs),
-              "params": diff(grads.params, ref.params)}
+    errors = {"loss": max_abs_diff(loss, ref_loss), "inputs": max_abs_diff(grads.inputs, ref.inputs),
+              "params": max_abs_diff(grads.params, ref.params)}
     scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves((ref_loss, ref)))
     return Comparison(name=f"{name} p={stages_} m={microbatches}" + (f" v={s.chunks}" if s.chunks > 1 else ""),
                       mesh=mesh_lib.describe(m), errors=errors, relative=max(errors.values()) / scale,
@@ -125,5 +125,4 @@ def gpipe_baseline_error(p: int = 4, m: int = 4, dp: int = 1) -> float:
     pipe = runtime.gpipe_baseline(stage_fn, params, batch, mesh=mm, microbatches=m, bubble_fill=math.nan)
     loss, grads = runtime.run_pipeline(pipe, params, batch)
     ref_loss, ref = stages.unsharded(stage_fn, params, batch)
-    return max(float(jnp.max(jnp.abs(x - y))) for x, y in
-               zip(jax.tree.leaves((loss, grads)), jax.tree.leaves((ref_loss, ref))))
+    return max_abs_diff((loss, grads), (ref_loss, ref))

@@ -40,15 +40,15 @@ import numpy as np
 
 from jaxpar.pipeline.schedule import Schedule
 
-IDLE = 0
 LANES = ("B", "F")  # run in this order within a step: B frees a slot that F may take
-# fields of one table entry (step, device); channels say where an output lands on arrival
+# fields of one table entry (step, device). A receive field {lane}_{channel}_{buffer} is the
+# slot where that lane's output lands: channel local (the device's own), from_left (sent
+# right by d - 1) or from_right (sent left by d + 1), buffer x or g.
 FIELDS = ("f_branch", "f_microbatch", "from_batch", "x_read", "res_write",
           "b_branch", "b_microbatch", "b_chunk", "g_read", "res_read", "gw_write", "dx_write",
           "F_local_x", "F_from_left_x", "F_from_right_x", "F_local_g",
           "B_local_g", "B_from_left_g", "B_from_right_g")
 F = {name: i for i, name in enumerate(FIELDS)}
-CHANNELS = ("local", "from_left", "from_right")  # own output; sent right by d-1; sent left by d+1
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

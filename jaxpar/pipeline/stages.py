@@ -47,11 +47,7 @@ def mlp_batch(rows: int, width: int = 1024, dtype=jnp.float32, seed: int = 1) ->
 def block_stage(cfg: reference.ModelConfig):
     """A stage of reference transformer blocks: params are reference's `blocks` dict
     (leaves stacked on the layer axis), x [batch, seq, D]."""
-    return layers(functools.partial(_block, cfg=cfg))
-
-
-def _block(p, x, cfg):
-    return reference.block(p, x, cfg)
+    return layers(functools.partial(reference.block, cfg=cfg))
 
 
 def block_params(cfg: reference.ModelConfig, dtype=jnp.float32, seed: int = 0) -> dict:

@@ -4,7 +4,7 @@
     python -m benchmarks.pipeline [--width W] [--mb ROWS] [--repeats N]
     python -m benchmarks.run pipeline
 
-The lecture's MLP (stages.mlp_params: 8 x Linear(width) + ReLU, 2 layers per stage) on
+The lecture's MLP (stage.mlp_params: 8 x Linear(width) + ReLU, 2 layers per stage) on
 pp=4 (the first 4 devices; 8 fake CPU devices by default). Two figures:
 
   temp memory  memory_analysis().temp_size_in_bytes of the compiled step, lowered with
@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import mesh
-from jaxpar.pipeline import runtime, schedule, stages
+from jaxpar.pipeline import baseline, runtime, schedule, stage
 
 P_STAGES = 4
 N_LAYERS = 8
@@ -71,16 +71,16 @@ def _cores() -> int:
 
 def _build(kind: str, m: int, params, batch, msh, input_grads: bool = False) -> runtime.Pipeline:
     if kind == "baseline":
-        return runtime.gpipe_baseline(stages.mlp_stage, params, batch, mesh=msh, microbatches=m)
+        return baseline.gpipe_baseline(stage.mlp_stage, params, batch, mesh=msh, microbatches=m)
     s = schedule.make(kind, stages=P_STAGES, microbatches=m)
-    return runtime.pipeline(s, stages.mlp_stage, params, batch, mesh=msh, input_grads=input_grads)
+    return runtime.pipeline(s, stage.mlp_stage, params, batch, mesh=msh, input_grads=input_grads)
 
 
 # ---- memory ---------------------------------------------------------------------------
 
 def memory_rows(width: int = 256, mb: int = 32) -> list[dict]:
     msh = _mesh()
-    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stages.mlp_params(N_LAYERS, width))
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stage.mlp_params(N_LAYERS, width))
     unit = mb * width * 4  # one microbatch activation, float32
     rows = []
     for kind in MEMORY_KINDS:
@@ -111,8 +111,8 @@ def _timed(fn, *args) -> float:
 
 def time_rows(repeats: int = REPEATS, ms=TIME_M) -> list[dict]:
     msh = _mesh()
-    params = stages.mlp_params(N_LAYERS, TIME_WIDTH)
-    batch = stages.mlp_batch(TIME_ROWS, TIME_WIDTH)
+    params = stage.mlp_params(N_LAYERS, TIME_WIDTH)
+    batch = stage.mlp_batch(TIME_ROWS, TIME_WIDTH)
     # placed once, as the step's in_specs want them: the timings exclude transfers
     inputs, targets = (jax.device_put(a, NamedSharding(msh, P())) for a in batch)
     steps = {}
@@ -129,7 +129,7 @@ def time_rows(repeats: int = REPEATS, ms=TIME_M) -> list[dict]:
     dev = jax.devices()[0]
     one = jax.device_put(jax.tree.map(lambda a: a[:per_stage], params), dev)
     x, dy = (jax.device_put(a, dev) for a in batch)
-    stage = jax.jit(lambda p, x, dy: jax.vjp(stages.mlp_stage, p, x)[1](dy))
+    stage = jax.jit(lambda p, x, dy: jax.vjp(stage.mlp_stage, p, x)[1](dy))
     jax.block_until_ready(stage(one, x, dy))
 
     times = {key: [] for key in steps}

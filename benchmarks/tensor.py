@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import comms, mesh, reference, tensor
-from jaxpar.tensor_checks import default_mesh
+from jaxpar.tensor.verify import default_mesh
 
 REPEATS = 15
 CFG = reference.ModelConfig(n_layers=1, d_model=256, n_heads=8, n_kv_heads=8, head_dim=32, d_ff=768)

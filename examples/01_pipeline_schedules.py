@@ -12,8 +12,9 @@ import argparse
 import pathlib
 
 from jaxpar.pipeline import schedule
-from jaxpar.pipeline.schedule_lecture import LECTURE_TIMELINES, dualpipe_v_bubble, interleaved_bubble
-from jaxpar.pipeline.schedule_viz import percent
+from jaxpar.pipeline.formulas import dualpipe_v_bubble, interleaved_bubble
+from jaxpar.pipeline.verify import LECTURE_TIMELINES
+from jaxpar.pipeline.viz import percent
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--png", metavar="DIR", help="write one timeline PNG per schedule into DIR")

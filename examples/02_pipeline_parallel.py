@@ -26,7 +26,9 @@ n = mesh.use_cpu_devices(8)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxpar.pipeline import runtime, runtime_checks, runtime_plan, schedule, stages  # noqa: E402
+from jaxpar.pipeline import baseline, formulas, runtime, schedule, stage
+from jaxpar.pipeline import plan as runtime_plan
+from jaxpar.pipeline import verify as runtime_checks  # noqa: E402
 from jaxpar.testing import max_abs_diff  # noqa: E402
 
 
@@ -34,12 +36,12 @@ def demo_lecture_model():
     print("== demo 1: the lecture's 8 x Linear(1024), 4 stages x 2 layers, 1F1B, float64 ==")
     jax.config.update("jax_enable_x64", True)
     try:
-        params = stages.mlp_params(8, 1024, jnp.float64)
-        batch = stages.mlp_batch(64, 1024, jnp.float64)
+        params = stage.mlp_params(8, 1024, jnp.float64)
+        batch = stage.mlp_batch(64, 1024, jnp.float64)
         m4 = mesh.make_mesh(pp=4, devices=jax.devices()[:4])
-        ref_loss, ref = stages.unsharded(stages.mlp_stage, params, batch)
+        ref_loss, ref = stage.unsharded(stage.mlp_stage, params, batch)
         for m in (1, 4, 8):
-            loss, grads = runtime.run(schedule.make("1f1b", 4, m), stages.mlp_stage, params, batch, mesh=m4)
+            loss, grads = runtime.run(schedule.make("1f1b", 4, m), stage.mlp_stage, params, batch, mesh=m4)
             err = max_abs_diff((loss, grads), (ref_loss, ref))
             print(f"  m={m}: max |pipeline - single device| over loss, dx, all weights = {err:.1e} "
                   f"(lecture: below 1e-9)  {'ok' if err < 1e-9 else 'FAIL'}")
@@ -72,16 +74,16 @@ def demo_steps():
 
 def demo_memory():
     print("\n== demo 4: compiled temp memory at a fixed microbatch (32 rows x 256), pp=4 ==")
-    params = stages.mlp_params(8, 256)
+    params = stage.mlp_params(8, 256)
     m4 = mesh.make_mesh(pp=4, devices=jax.devices()[:4])
     act = 32 * 256 * 4
     print(f"  {'m':>3}  {'1F1B':>14}  {'GPipe baseline':>16}   (in microbatch activations)")
     first = {}
     for m in (4, 8, 16, 32):
         batch = (jax.ShapeDtypeStruct((32 * m, 256), jnp.float32),) * 2
-        one = runtime.pipeline(schedule.make("1f1b", 4, m), stages.mlp_stage, params, batch, mesh=m4,
+        one = runtime.pipeline(schedule.make("1f1b", 4, m), stage.mlp_stage, params, batch, mesh=m4,
                                input_grads=False)
-        base = runtime.gpipe_baseline(stages.mlp_stage, params, batch, mesh=m4, microbatches=m)
+        base = baseline.gpipe_baseline(stage.mlp_stage, params, batch, mesh=m4, microbatches=m)
         temps = [pipe.step.lower(runtime.to_stages(params, pipe.schedule), *batch).compile()
                  .memory_analysis().temp_size_in_bytes / act for pipe in (one, base)]
         first = first or dict(zip(("1f1b", "base"), temps))
@@ -93,15 +95,15 @@ def demo_memory():
 
 def demo_bad_input():
     print("\n== demo 5: bad input ==")
-    params = stages.mlp_params(6, 16)
-    batch = stages.mlp_batch(8, 16)
+    params = stage.mlp_params(6, 16)
+    batch = stage.mlp_batch(8, 16)
     m4 = mesh.make_mesh(pp=4, devices=jax.devices()[:4])
     for what, call in [
-        ("6 layers on 4 stages", lambda: runtime.run(schedule.make("1f1b", 4, 4), stages.mlp_stage, params, batch, mesh=m4)),
-        ("8 rows in 3 microbatches", lambda: runtime.run(schedule.make("1f1b", 4, 3), stages.mlp_stage,
-                                                         stages.mlp_params(8, 16), batch, mesh=m4)),
-        ("a schedule for p=2 on pp=4", lambda: runtime.run(schedule.make("1f1b", 2, 4), stages.mlp_stage,
-                                                           stages.mlp_params(8, 16), batch, mesh=m4)),
+        ("6 layers on 4 stages", lambda: runtime.run(schedule.make("1f1b", 4, 4), stage.mlp_stage, params, batch, mesh=m4)),
+        ("8 rows in 3 microbatches", lambda: runtime.run(schedule.make("1f1b", 4, 3), stage.mlp_stage,
+                                                         stage.mlp_params(8, 16), batch, mesh=m4)),
+        ("a schedule for p=2 on pp=4", lambda: runtime.run(schedule.make("1f1b", 2, 4), stage.mlp_stage,
+                                                           stage.mlp_params(8, 16), batch, mesh=m4)),
     ]:
         try:
             call()

@@ -27,9 +27,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxpar import comms, reference, tensor, tensor_vocab  # noqa: E402
-from jaxpar.collectives import copy_to_tp  # noqa: E402
-from jaxpar.tensor_checks import (  # noqa: E402
+from jaxpar import comms, reference, tensor  # noqa: E402
+from jaxpar.tensor.ops import copy_to_tp  # noqa: E402
+from jaxpar.tensor.verify import (  # noqa: E402
     default_mesh, fwd_bwd, lm_head_inputs, reference_lm_loss_and_grads, run_block)
 from jaxpar.testing import max_abs_diff  # noqa: E402
 
@@ -117,7 +117,7 @@ def demo_vocab(m, cfg, B, T):
           f"[B, T, V/t] are never gathered")
     x, gain, unembed, targets = lm_head_inputs(B, T, cfg.d_model, V)
     (loss, grads), (fwd, bwd) = fwd_bwd(
-        lambda *a: tensor_vocab.vocab_parallel_lm_loss(*a, targets, mesh=m, cfg=cfg), x, gain, unembed,
+        lambda *a: tensor.vocab_parallel_lm_loss(*a, targets, mesh=m, cfg=cfg), x, gain, unembed,
         ct=jnp.float32(1.0))
     ref = reference_lm_loss_and_grads(x, gain, unembed, targets)
     print(f"  loss {float(loss):.4f}; loss and dL/dx, dL/dfinal_norm, dL/dunembed vs cross_entropy(rms_norm(x) "
@@ -126,7 +126,7 @@ def demo_vocab(m, cfg, B, T):
     for part, got, note in (("forward", fwd, "the max, then sum exp + target logit, [b, T] each; the loss's "
                                              "mean over dp"),
                             ("backward", bwd, "f: dL/dz over tp, b*T*D; unembed and final_norm grads over dp")):
-        want = tensor_vocab.vocab_collectives(**kw, backward=part == "backward")
+        want = tensor.vocab_collectives(**kw, backward=part == "backward")
         print(f"  {part:8s}: {comms.format_stats(got)}  {'= formula' if got == want else '!= formula'}  ({note})")
     print(f"  the full logits would be {comms.human_bytes(B * T * V * 4)}; each device holds 1/{tp} of them")
 
@@ -134,7 +134,7 @@ def demo_vocab(m, cfg, B, T):
     cfg = dataclasses.replace(cfg, n_layers=2)
     params = reference.init_params(jax.random.PRNGKey(5), cfg)
     tokens = jax.random.randint(jax.random.PRNGKey(6), (B, T + 1), 0, V)
-    ours = jax.jit(jax.value_and_grad(lambda p: tensor_vocab.tp_loss(p, tokens, mesh=m, cfg=cfg)))(params)
+    ours = jax.jit(jax.value_and_grad(lambda p: tensor.tp_loss(p, tokens, mesh=m, cfg=cfg)))(params)
     want = jax.jit(jax.value_and_grad(lambda p: reference.loss(p, tokens, cfg)))(params)
     print(f"  loss {float(ours[0]):.4f} vs reference.loss {float(want[0]):.4f}; max diff over the loss and "
           f"every parameter's gradient {max_abs_diff(ours, want):.1e}")

@@ -1,5 +1,5 @@
 import sys
 
-from jaxpar.cli import main
+from jaxpar.cli.main import main
 
 sys.exit(main())

@@ -26,6 +26,13 @@ lecture's formulas read directly:
 `wire_bytes` adds what one device sends on a ring: all-reduce 2(n-1)/n, all-gather and
 reduce-scatter and all-to-all (n-1)/n of the bytes, collective-permute all of it (n is
 the group size).
+
+`Collectives` is the value both sides of "measured == formula" are: {kind: (count, bytes)}
+of the kinds that occur. `nonzero(collective_stats(...))` gives the measured one; every
+technique's `formulas.py` returns the expected one.
+
+Pure Python: the HLO text comes from the jitted function's own `.lower(...).compile()`, so
+the formulas that use `Collectives` (and the planner) never import JAX.
 """
 
 from __future__ import annotations
@@ -33,9 +40,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
-import jax
+from jaxpar.errors import ConfigError
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS",
@@ -115,7 +122,7 @@ def _parse(hlo: str) -> tuple[dict[str, list[_Instr]], dict[str, dict[str, str]]
             comps[current].append(_Instr(name, type_str, opcode, rest))
             types[current][name] = type_str
     if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
+        raise ConfigError("no ENTRY computation in the HLO text")
     return comps, types, entry
 
 
@@ -158,7 +165,7 @@ def collective_ops_from_hlo(hlo: str) -> list[CollectiveOp]:
                 trip = _TRIP.search(instr.rest)
                 body_ops = walk(callees["body"], 1)
                 if body_ops and not trip:
-                    raise ValueError(
+                    raise ConfigError(
                         f"while loop {instr.name} holds collectives but has no known trip count; "
                         "use lax.scan or fori_loop with static bounds so they can be counted")
                 count = int(trip.group(1)) if trip else 1
@@ -185,15 +192,17 @@ def collective_ops_from_hlo(hlo: str) -> list[CollectiveOp]:
     return walk(entry, 1)
 
 
-def compiled_text(fn: Callable, *args, **kwargs) -> str:
-    """Optimised HLO text of fn(*args) (jit-compiled if fn is not already jitted)."""
-    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    return jitted.lower(*args, **kwargs).compile().as_text()
+def compiled_text(jitted_fn: Callable, *args, **kwargs) -> str:
+    """Optimised HLO text of jitted_fn(*args): `jitted_fn.lower(*args).compile().as_text()`."""
+    if not hasattr(jitted_fn, "lower"):
+        raise ConfigError(f"{getattr(jitted_fn, '__name__', jitted_fn)!r} is not jitted: the collectives are read "
+                          "from a compiled program. Fix: pass jax.jit(fn)")
+    return jitted_fn.lower(*args, **kwargs).compile().as_text()
 
 
-def collective_ops(fn: Callable, *args, **kwargs) -> list[CollectiveOp]:
-    """The collectives of fn's compiled program, one entry per HLO instruction."""
-    return collective_ops_from_hlo(compiled_text(fn, *args, **kwargs))
+def collective_ops(jitted_fn: Callable, *args, **kwargs) -> list[CollectiveOp]:
+    """The collectives of the compiled program, one entry per HLO instruction."""
+    return collective_ops_from_hlo(compiled_text(jitted_fn, *args, **kwargs))
 
 
 def summarize(ops: list[CollectiveOp]) -> dict[str, dict[str, float]]:
@@ -211,21 +220,65 @@ def summarize(ops: list[CollectiveOp]) -> dict[str, dict[str, float]]:
     return stats
 
 
-def collective_stats(fn: Callable, *args, **kwargs) -> dict[str, dict[str, float]]:
-    """Count and bytes per execution of each collective kind in fn's compiled program."""
-    return summarize(collective_ops(fn, *args, **kwargs))
+def collective_stats(jitted_fn: Callable, *args, **kwargs) -> dict[str, dict[str, float]]:
+    """Count and bytes per execution of each collective kind in the compiled program."""
+    return summarize(collective_ops(jitted_fn, *args, **kwargs))
 
 
-def nonzero(stats: dict[str, dict[str, float]]) -> dict[str, tuple[int, int]]:
-    """{kind: (count, bytes)} for the kinds that occur — handy to compare with a formula."""
-    return {k: (int(v["count"]), int(v["bytes"])) for k, v in stats.items() if v["count"]}
+class Collectives(Mapping):
+    """{kind: (count, bytes)} of the collective kinds that occur, in KINDS order: what a
+    compiled program runs per execution (`nonzero`) or what a formula says it must.
+
+    Compares equal to a plain dict of the same pairs; `+` adds two (a program of two
+    parts); `format()` is the short form of the tour table; `to_json()` a dict per kind."""
+
+    def __init__(self, counts: Mapping | None = None):
+        items = {}
+        for kind, pair in dict(counts or {}).items():
+            if kind not in KINDS:
+                raise ConfigError(f"collective kind {kind!r}: one of {', '.join(KINDS)}")
+            count, nbytes = pair
+            if count or nbytes:
+                items[kind] = (int(count), int(nbytes) if float(nbytes).is_integer() else float(nbytes))
+        self._items = {k: items[k] for k in KINDS if k in items}
+
+    def __getitem__(self, kind: str) -> tuple[int, int]:
+        return self._items[kind]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return f"Collectives({self._items})"
+
+    def __add__(self, other: Mapping) -> Collectives:
+        out = dict(self._items)
+        for kind, (count, nbytes) in other.items():
+            c, b = out.get(kind, (0, 0))
+            out[kind] = (c + count, b + nbytes)
+        return Collectives(out)
+
+    def format(self) -> str:
+        """'2 AR 64.0 KiB + 4 CP 8.0 KiB', or '-' when nothing is communicated."""
+        return " + ".join(f"{c} {SHORT[k]} {human_bytes(b)}" for k, (c, b) in self._items.items()) or "-"
+
+    def to_json(self) -> dict[str, dict[str, int]]:
+        return {k: {"count": c, "bytes": b} for k, (c, b) in self._items.items()}
 
 
-def format_stats(stats: dict) -> str:
-    """'2 AR 64.0 KiB + 4 CP 8.0 KiB' (or '-' when nothing is communicated), from
-    collective_stats' dict or from its `nonzero` form {kind: (count, bytes)}."""
-    pairs = {k: v if isinstance(v, tuple) else (v["count"], v["bytes"]) for k, v in stats.items()}
-    return " + ".join(f"{int(c)} {SHORT[k]} {human_bytes(b)}" for k, (c, b) in pairs.items() if c) or "-"
+def nonzero(stats: dict[str, dict[str, float]]) -> Collectives:
+    """The kinds that occur in collective_stats' dict, as Collectives, to compare with a formula."""
+    return Collectives({k: (int(v["count"]), v["bytes"]) for k, v in stats.items() if v["count"]})
+
+
+def format_stats(stats: Mapping) -> str:
+    """'2 AR 64.0 KiB + 4 CP 8.0 KiB' (or '-'), from collective_stats' dict or Collectives."""
+    if isinstance(stats, Collectives):
+        return stats.format()
+    return Collectives({k: v if isinstance(v, tuple) else (v["count"], v["bytes"]) for k, v in stats.items()}).format()
 
 
 def human_bytes(n: float) -> str:
@@ -234,43 +287,3 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
-
-
-def tour_check():
-    """collective_stats on a hand-built program whose collectives are known in advance:
-    a ring of psum + ppermute in a scan of 5 steps, then all_gather, psum_scatter, all_to_all."""
-    import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
-
-    from jaxpar import mesh as mesh_lib
-    from jaxpar.tour import Row
-
-    n = len(jax.devices())
-    m = mesh_lib.make_mesh(dp=n)
-    if n == 1:  # over one device, which collectives XLA keeps is the backend's choice (CPU keeps all but all-to-all)
-        return Row(technique="comms: hand-built program (scan x5)", mesh=mesh_lib.describe(m), max_error=0.0,
-                   collectives="-", seconds=0.0, ok=True, note="skipped: needs 2+ devices")
-    steps, rows_per_dev, cols = 5, 8, 16
-
-    def body(x):  # x: f32[8, 16] per device
-        def step(c, _):
-            c = jax.lax.ppermute(c, "dp", [(i, (i + 1) % n) for i in range(n)])
-            return c + jax.lax.psum(c, "dp"), None
-        c, _ = jax.lax.scan(step, x, None, length=steps)
-        g = jax.lax.all_gather(c, "dp", tiled=True)            # f32[8n, 16]
-        r = jax.lax.psum_scatter(g, "dp", tiled=True)          # f32[8, 16]
-        return jax.lax.all_to_all(r, "dp", 0, 0, tiled=True) if rows_per_dev % n == 0 else r
-
-    f = jax.jit(jax.shard_map(body, mesh=m, in_specs=P("dp"), out_specs=P("dp")))
-    x = jnp.ones((rows_per_dev * n, cols), jnp.float32)
-    got = nonzero(collective_stats(f, x))
-    block = rows_per_dev * cols * 4
-    want = {"collective-permute": (steps, steps * block), "all-reduce": (steps, steps * block),
-            "all-gather": (1, block * n), "reduce-scatter": (1, block * n)}
-    if rows_per_dev % n == 0:
-        want["all-to-all"] = (1, block)
-    err = float(sum(abs(got.get(k, (0, 0))[1] - v[1]) + abs(got.get(k, (0, 0))[0] - v[0]) for k, v in want.items()))
-    ok = got == want
-    return Row(technique="comms: hand-built program (scan x5)", mesh=mesh_lib.describe(m), max_error=err,
-               collectives=format_stats(collective_stats(f, x)) + (" = formula" if ok else " != formula"),
-               seconds=0.0, ok=ok)

@@ -19,12 +19,15 @@ import re
 from collections.abc import Sequence
 
 import jax
-import numpy as np
+from jax._src import xla_bridge
 from jax.sharding import AxisType, Mesh
+
+from jaxpar.errors import ConfigError, is_whole, whole
 
 DP, PP, CP, EP, TP = "dp", "pp", "cp", "ep", "tp"
 AXIS_ORDER: tuple[str, ...] = (DP, PP, CP, EP, TP)
 
+MAX_DEVICES = 1 << 16  # more than any machine or job has: a larger count is a typo
 _XLA_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 
@@ -32,8 +35,6 @@ def _backends_started() -> bool:
     # jax keeps initialised backends in xla_bridge._backends; empty until the first
     # jax.devices()/computation. This is the only reliable signal that a device count
     # can still be changed.
-    from jax._src import xla_bridge
-
     return bool(getattr(xla_bridge, "_backends", {}))
 
 
@@ -42,21 +43,21 @@ def use_cpu_devices(n: int) -> int:
 
     A count already set through XLA_FLAGS (--xla_force_host_platform_device_count=K)
     is respected: it wins over `n`, and K is returned. Calling this after JAX has
-    started raises a RuntimeError that says how to fix it, unless the running CPU
+    started raises a ConfigError that says how to fix it, unless the running CPU
     backend already has the count asked for.
 
     Only the CPU backend is affected: on a GPU/TPU machine `jax.devices()` still
     returns the accelerators.
     """
-    if n < 1:
-        raise ValueError(f"use_cpu_devices(n={n}): n must be >= 1")
+    n = whole("n", n, maximum=MAX_DEVICES,
+              fix="n must be >= 1, the number of fake CPU devices, e.g. use_cpu_devices(8)")
     flags = _XLA_COUNT.search(os.environ.get("XLA_FLAGS", ""))
     wanted = int(flags.group(1)) if flags else n
     if _backends_started():
         have = len(jax.devices("cpu"))
         if have == wanted:
             return have
-        raise RuntimeError(
+        raise ConfigError(
             f"use_cpu_devices({n}) was called after JAX started its backends with {have} CPU "
             f"device(s); the count can no longer change. Fix: call jaxpar.mesh.use_cpu_devices({n}) "
             "before anything touches jax.devices() or runs a computation (first thing in your "
@@ -76,19 +77,19 @@ def make_mesh(*, devices: Sequence[jax.Device] | None = None, **sizes: int) -> M
     """
     unknown = [a for a in sizes if a not in AXIS_ORDER]
     if unknown:
-        raise ValueError(f"unknown mesh axis {unknown}; known axes are {', '.join(AXIS_ORDER)}")
+        raise ConfigError(f"unknown mesh axis {unknown}; known axes are {', '.join(AXIS_ORDER)}")
     for name, size in sizes.items():
-        if not isinstance(size, (int, np.integer)) or size < 1:
-            raise ValueError(f"mesh axis {name}={size!r} must be a positive integer")
+        if not is_whole(size) or size < 1:
+            raise ConfigError(f"mesh axis {name}={size!r} must be a positive integer, e.g. {name}=2")
     if not sizes:
-        raise ValueError("make_mesh needs at least one axis, e.g. make_mesh(dp=8)")
+        raise ConfigError("make_mesh needs at least one axis, e.g. make_mesh(dp=8)")
     devices = list(jax.devices() if devices is None else devices)
     names = tuple(a for a in AXIS_ORDER if a in sizes)
     shape = tuple(int(sizes[a]) for a in names)
     total = math.prod(shape)
     if total != len(devices):
         desc = " x ".join(f"{a}={s}" for a, s in zip(names, shape))
-        raise ValueError(
+        raise ConfigError(
             f"mesh {desc} needs {total} devices but {len(devices)} are available; "
             f"choose sizes whose product is {len(devices)}, pass devices= with {total} devices, "
             f"or start with {total} fake CPU devices (jaxpar.mesh.use_cpu_devices({total}) before JAX "
@@ -101,6 +102,43 @@ def make_mesh(*, devices: Sequence[jax.Device] | None = None, **sizes: int) -> M
 def describe(mesh: Mesh) -> str:
     """'dp=2 tp=4' for a mesh."""
     return " ".join(f"{a}={s}" for a, s in mesh.shape.items())
+
+
+def axis_size(mesh: Mesh, name: str) -> int:
+    """The size of axis `name` of `mesh`, 1 when the mesh has no such axis."""
+    return int(mesh.shape.get(name, 1))
+
+
+def require_mesh(mesh, *, axes: tuple[str, ...] = (), only: tuple[str, ...] | None = None,
+                 needed_by: str) -> Mesh:
+    """Refuse anything that is not a jax Mesh, a mesh without each of `axes`, and (with
+    `only`) a mesh splitting an axis outside `only` over more than one device."""
+    if not isinstance(mesh, Mesh):
+        raise ConfigError(f"mesh={mesh!r} is a {type(mesh).__name__}, not a jax.sharding.Mesh: build one "
+                          f"with jaxpar.mesh.make_mesh({', '.join(f'{a}=...' for a in axes) or 'dp=...'})")
+    for axis in axes:
+        if axis not in mesh.shape:
+            raise ConfigError(f"{needed_by} needs a mesh with a {axis!r} axis; got axes {dict(mesh.shape)}. "
+                              f"Fix: jaxpar.mesh.make_mesh({axis}=..., ...)")
+    if only is not None:
+        extra = {a: n for a, n in mesh.shape.items() if a not in only and n > 1}
+        if extra:
+            raise ConfigError(f"mesh axes {extra}: {needed_by} splits over {', '.join(map(repr, only))} only; "
+                              "give the other axes size 1 (or leave them out)")
+    return mesh
+
+
+def require_divisible(what: str, size: int, mesh: Mesh, axes: tuple[str, ...], *, why: str) -> int:
+    """Refuse `size` (called `what`) unless the product of the sizes of `axes` in `mesh`
+    divides it; return that product."""
+    n = 1
+    for a in axes:
+        n *= axis_size(mesh, a)
+    if size % n:
+        over = " x ".join(f"{a}={axis_size(mesh, a)}" for a in axes)
+        raise ConfigError(f"{what}={size} is not divisible by {over} = {n}: {why}. Fix: use a {what} that is "
+                          f"a multiple of {n}, or a mesh whose {'/'.join(axes)} divides {size}")
+    return n
 
 
 def init_distributed(
@@ -116,6 +154,13 @@ def init_distributed(
     CPU devices per process (set before the backend starts). On GPU/TPU the same call
     joins the accelerators of every process; `local_device_count` is then ignored.
     """
+    if not isinstance(coordinator, str) or not re.fullmatch(r"[\w.\-\[\]:]+:\d+", coordinator):
+        raise ConfigError(f"coordinator={coordinator!r}: give 'host:port' of process 0, e.g. '127.0.0.1:12355'")
+    num_processes = whole("num_processes", num_processes, maximum=MAX_DEVICES)
+    process_id = whole("process_id", process_id, minimum=0)
+    if process_id >= num_processes:
+        raise ConfigError(f"process_id={process_id} with num_processes={num_processes}: ids run from 0 to "
+                          f"{num_processes - 1}")
     if local_device_count is not None:
         use_cpu_devices(local_device_count)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

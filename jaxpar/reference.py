@@ -28,6 +28,12 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from jaxpar import errors
+from jaxpar.errors import ConfigError
+
+
+MAX_SIZE = 1 << 24  # any width, head count or layer count above this is a typo, not a model
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
@@ -49,19 +55,33 @@ class ModelConfig:
     norm_eps: float = 1e-6
 
     def __post_init__(self):
+        for name in ("vocab", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "n_layers", "top_k"):
+            errors.whole(name, getattr(self, name), maximum=MAX_SIZE)
+        errors.whole("n_experts", self.n_experts, minimum=0, maximum=MAX_SIZE,
+                     fix="n_experts=0 is a dense MLP, n_experts >= 1 an MoE")
+        errors.one_of("mlp", self.mlp, ("gelu", "swiglu"))
+        errors.flag("moe_renormalize", self.moe_renormalize)
+        errors.flag("causal", self.causal)
+        errors.number("norm_eps", self.norm_eps, fix="norm_eps is the RMSNorm epsilon, e.g. norm_eps=1e-6")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
-                "(each KV head serves n_heads/n_kv_heads query heads)"
+                "(each KV head serves n_heads/n_kv_heads query heads). Fix: n_kv_heads in "
+                f"({errors.divisors(self.n_heads)})"
             )
-        if self.mlp not in ("gelu", "swiglu"):
-            raise ValueError(f"mlp={self.mlp!r}: use 'gelu' or 'swiglu'")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
+            raise ConfigError(f"top_k={self.top_k} must be in 1..n_experts={self.n_experts}: each token "
+                              f"picks top_k distinct experts. Fix: top_k={min(2, self.n_experts)}")
 
 
 def init_params(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32) -> dict:
     """Random parameters: weights ~ N(0, 1/fan_in), embedding ~ N(0, 1), norm gains 1."""
+    if not isinstance(cfg, ModelConfig):
+        raise ConfigError(f"cfg is a {type(cfg).__name__}, not a reference.ModelConfig: build one with "
+                          "reference.ModelConfig(...)")
+    errors.array("key", key, shape_doc="a PRNG key, jax.random.key(0)", nonempty=False)
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise ConfigError(f"dtype={dtype!r}: parameters are floating point; use jnp.float32, bfloat16 or float64")
     return _init_params(key, cfg, jnp.dtype(dtype))
 
 
@@ -119,10 +139,16 @@ def attention(q, k, v, *, causal: bool = True):
 
     With causal=True, query t sees keys s <= t + (S - T) (queries are the last T positions).
     """
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        errors.array(name, a, ndim=4, kinds="f", shape_doc=f"{name}[batch, seq, heads, head_dim]")
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != H:
+        raise ConfigError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must have one "
+                          f"shape [B={B}, S, K, H={H}], with q's batch and head_dim")
     if N % K:
-        raise ValueError(f"query heads N={N} must be a multiple of KV heads K={K}")
+        raise ConfigError(f"query heads N={N} must be a multiple of KV heads K={K}: each KV head serves N/K "
+                          f"query heads. Fix: K in ({errors.divisors(N)})")
     k = jnp.repeat(k, N // K, axis=2)
     v = jnp.repeat(v, N // K, axis=2)
     scores = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(jnp.asarray(H, q.dtype))
@@ -150,7 +176,7 @@ def mlp(p: dict, x, *, kind: str = "gelu"):
     elif kind == "swiglu":
         hidden = jax.nn.silu(x @ p["w_gate"]) * up
     else:
-        raise ValueError(f"mlp kind {kind!r}: use 'gelu' or 'swiglu'")
+        raise ConfigError(f"mlp kind {kind!r}: use 'gelu' or 'swiglu'")
     return hidden @ p["w_down"]
 
 
@@ -198,40 +224,13 @@ def cross_entropy(logits, targets):
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
+def lm_head_loss(x, final_norm, unembed, targets, eps: float = 1e-6):
+    """The output layer and the loss, as `forward` and `loss` end: cross-entropy of
+    rms_norm(x) @ unembed against targets. x [..., D], unembed [D, V], targets int[...]."""
+    return cross_entropy(rms_norm(x, final_norm, eps) @ unembed, targets)
+
+
 def loss(params: dict, tokens, cfg: ModelConfig):
     """Next-token cross-entropy: position t predicts token t+1. tokens: int[B, T]."""
     logits = forward(params, tokens[:, :-1], cfg)
     return cross_entropy(logits, tokens[:, 1:])
-
-
-def tour_check():
-    """The reference against JAX's own attention, and the dense MoE against a per-token loop."""
-    import numpy as np
-
-    from jaxpar.tour import Row
-    from jaxpar.testing import max_abs_diff
-
-    rows = []
-    key = jax.random.PRNGKey(0)
-    kq, kk, kv = jax.random.split(key, 3)
-    for N, K in ((8, 8), (8, 2)):
-        q = jax.random.normal(kq, (2, 16, N, 4))
-        k = jax.random.normal(kk, (2, 16, K, 4))
-        v = jax.random.normal(kv, (2, 16, K, 4))
-        err = max(max_abs_diff(attention(q, k, v, causal=c),
-                               jax.nn.dot_product_attention(q, k, v, is_causal=c)) for c in (True, False))
-        kind = "MHA" if N == K else "GQA"
-        rows.append(Row(technique=f"reference attention ({kind}) vs jax.nn", mesh="-", max_error=err,
-                        collectives="-", seconds=0.0, ok=err < 1e-5))
-    cfg = ModelConfig(n_experts=4, top_k=2, n_layers=1)
-    p = layer_params(init_params(key, cfg), 0)
-    x = jax.random.normal(key, (5, cfg.d_model))
-    gates = np.asarray(router_weights(p["router"], x, top_k=cfg.top_k))
-    loop = np.stack([
-        sum(gates[t, e] * np.asarray(mlp({n: p[n][e] for n in ("w_up", "w_down")}, x[t]))
-            for e in range(cfg.n_experts) if gates[t, e] > 0)
-        for t in range(x.shape[0])])
-    err = max_abs_diff(moe(p, x, top_k=cfg.top_k), loop)
-    rows.append(Row(technique="reference MoE (dense) vs per-token loop", mesh="-", max_error=err,
-                    collectives="-", seconds=0.0, ok=err < 1e-5))
-    return rows

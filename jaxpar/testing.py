@@ -1,11 +1,23 @@
-"""One tolerance rule for every comparison against the reference, chosen by dtype."""
+"""How every check is judged: one tolerance rule by dtype, and the Result a check returns.
+
+`tolerance(dtype)` is the one rule: the tests (`assert_close`), the tour and `jaxpar
+verify` (`compare`) all hold a sharded result to it against the reference. A verify
+function returns a `Result`: its errors by name, the tolerance they were held to, the
+measured and expected collectives as `comms.Collectives`; only the command line formats
+it (a table row, or JSON).
+"""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxpar import comms
 
 # (rtol, atol). float32 sums run in different orders on different shardings; float64
 # is the lecture's "below 1e-9" bound with room to spare.
@@ -42,3 +54,84 @@ def max_abs_diff(a, b) -> float:
     diffs = jax.tree.map(lambda x, y: float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
                          if np.size(x) else 0.0, a, b)
     return max(jax.tree.leaves(diffs), default=0.0)
+
+
+def close(actual, expected, *, scale: float = 1.0) -> bool:
+    """assert_close as a verdict: True when the trees agree by the dtype's tolerance."""
+    try:
+        assert_close(actual, expected, scale=scale)
+    except AssertionError:
+        return False
+    return True
+
+
+def compare(actual: Mapping, expected: Mapping) -> tuple[dict[str, float], tuple[float, float], bool]:
+    """Named outputs against the reference's: ({name: max abs error}, (rtol, atol) of the
+    expected dtype, every name within it)."""
+    errors = {name: max_abs_diff(actual[name], expected[name]) for name in expected}
+    rule = tolerance(_leaf_dtype(list(expected.values())))
+    return errors, rule, all(close(actual[name], expected[name]) for name in expected)
+
+
+def compiled_collectives(compiled) -> comms.Collectives:
+    """The collectives of a compiled program (`jit(f).lower(...).compile()`)."""
+    return comms.nonzero(comms.summarize(comms.collective_ops_from_hlo(compiled.as_text())))
+
+
+def fwd_bwd(fn: Callable, *args, ct):
+    """fn(*args) and its gradients for cotangent ct, from two compiled programs (the
+    forward, and the backward alone: jit of the function jax.vjp returns), with the
+    collectives of each: ((out, grads), (forward Collectives, backward Collectives))."""
+    fwd = jax.jit(fn)
+    _, vjp = jax.vjp(fwd, *args)           # of the jitted fn: an eager shard_map costs seconds
+    fwd = fwd.lower(*args).compile()
+    bwd = jax.jit(lambda vjp, ct: vjp(ct)).lower(vjp, ct).compile()
+    return (fwd(*args), bwd(vjp, ct)), (compiled_collectives(fwd), compiled_collectives(bwd))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Result:
+    """What one check found.
+
+    name: what ran ("TP block (Megatron)", "1F1B schedule p=4 m=8").
+    mesh: the mesh it ran on, "dp=2 tp=4" ("-" when no devices are involved).
+    errors: {what was compared: its error}; for a comparison with the reference the max
+      abs difference of that output, otherwise the quantity the note names.
+    tolerance: (rtol, atol) the errors were held to (`tolerance(dtype)`), or None when
+      the check is exact or of another kind (the note says which).
+    measured, expected: the compiled program's collectives and the formula's (None when
+      the check runs no program).
+    passed: the check's verdict: errors within tolerance and measured == expected.
+    seconds: wall time, compile included (0: not timed; the runner fills it in).
+    note: what the reader should know (the lecture's figure, the inputs, a caveat).
+    """
+
+    name: str
+    mesh: str = "-"
+    errors: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    tolerance: tuple[float, float] | None = None
+    measured: comms.Collectives | None = None
+    expected: comms.Collectives | None = None
+    passed: bool
+    seconds: float = 0.0
+    note: str = ""
+
+    @property
+    def max_error(self) -> float:
+        return max(self.errors.values(), default=0.0)
+
+    @property
+    def collectives_match(self) -> bool | None:
+        """measured == expected, or None when the check has no formula to meet."""
+        if self.measured is None or self.expected is None:
+            return None
+        return self.measured == self.expected
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "mesh": self.mesh, "errors": dict(self.errors),
+                "tolerance": None if self.tolerance is None else {"rtol": self.tolerance[0],
+                                                                  "atol": self.tolerance[1]},
+                "measured": None if self.measured is None else self.measured.to_json(),
+                "expected": None if self.expected is None else self.expected.to_json(),
+                "collectives_match": self.collectives_match, "passed": self.passed,
+                "seconds": self.seconds, "note": self.note}

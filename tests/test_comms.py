@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import comms, mesh
+from jaxpar.errors import ConfigError
 
 N = jax.device_count()
 needs_8 = pytest.mark.skipif(N != 8, reason="written for the 8 fake CPU devices of conftest.py")
@@ -245,9 +246,24 @@ def test_combined_all_reduce_keeps_the_bytes_of_all_operands(m1):
     assert nbytes == 2 * BLOCK and count in (1, 2)
 
 
-def test_accepts_an_unjitted_function(m1):
+def test_refuses_an_unjitted_function_and_counts_it_jitted(m1):
+    # the collectives are read from a compiled program: comms needs no JAX of its own
     fn = jax.shard_map(lambda x: jax.lax.psum(x, "dp"), mesh=m1, in_specs=P("dp"), out_specs=P("dp"))
-    assert stats_of(fn, x_global()) == {"all-reduce": (1, BLOCK)}
+    with pytest.raises(ConfigError, match="is not jitted.*jax.jit"):
+        stats_of(fn, x_global())
+    assert stats_of(jax.jit(fn), x_global()) == {"all-reduce": (1, BLOCK)}
+
+
+def test_collectives_value_compares_adds_and_serialises():
+    a = comms.Collectives({"all-reduce": (2, 64), "all-gather": (0, 0)})
+    assert a == {"all-reduce": (2, 64)} and list(a) == ["all-reduce"] and len(a) == 1
+    b = a + {"collective-permute": (3, 12), "all-reduce": (1, 8)}
+    assert b == {"all-reduce": (3, 72), "collective-permute": (3, 12)}
+    assert list(b) == ["all-reduce", "collective-permute"]           # KINDS order, whatever the input order
+    assert b.format() == "3 AR 72 B + 3 CP 12 B" and comms.Collectives().format() == "-"
+    assert b.to_json() == {"all-reduce": {"count": 3, "bytes": 72}, "collective-permute": {"count": 3, "bytes": 12}}
+    with pytest.raises(ConfigError, match="'all-sum'"):
+        comms.Collectives({"all-sum": (1, 1)})
 
 
 # ---------------------------------------------------------------- the HLO reader on text

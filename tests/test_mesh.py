@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import AxisType
 
 from jaxpar import mesh
+from jaxpar.errors import ConfigError
 
 N = jax.device_count()
 needs_8 = pytest.mark.skipif(N != 8, reason="written for the 8 fake CPU devices of conftest.py")
@@ -117,7 +118,7 @@ def test_use_cpu_devices_too_late_raises_with_the_fix(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     have = len(jax.devices("cpu"))  # the backends are running from here on
     ask = have + 1
-    with pytest.raises(RuntimeError) as e:
+    with pytest.raises(ConfigError) as e:
         mesh.use_cpu_devices(ask)
     msg = str(e.value)
     assert f"use_cpu_devices({ask}) was called after JAX started" in msg
@@ -154,7 +155,7 @@ def test_fresh_process_use_cpu_devices_before_jax_gives_that_count():
     # Importing every jaxpar module must not start JAX's backends.
     out = _fresh_python("""
         import json
-        import jaxpar, jaxpar.mesh, jaxpar.reference, jaxpar.comms, jaxpar.testing, jaxpar.tour, jaxpar.cli
+        import jaxpar, jaxpar.mesh, jaxpar.reference, jaxpar.comms, jaxpar.testing, jaxpar.cli, jaxpar.cli.tour, jaxpar.tensor, jaxpar.pipeline.runtime, jaxpar.pipeline.verify
         from jaxpar import mesh
         got = mesh.use_cpu_devices(4)
         import jax
@@ -163,7 +164,7 @@ def test_fresh_process_use_cpu_devices_before_jax_gives_that_count():
         try:
             mesh.use_cpu_devices(2)
             late = None
-        except RuntimeError as e:
+        except ValueError as e:
             late = str(e)
         print(json.dumps({"got": got, "n": n, "again": again, "late": late,
                           "axes": list(mesh.make_mesh(dp=2, tp=2).axis_names)}))

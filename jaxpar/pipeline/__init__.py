@@ -1,0 +1,20 @@
+"""Pipeline parallelism (lecture section 2): schedules as data, and a runtime that executes
+any of them as one SPMD program.
+
+    schedule   the table actions[tick][device], its statistics and validator; `make`
+    orders     each schedule's device programs, and the one registry of schedule names
+    viz        ASCII timeline (the lecture's alphabet), PNG, Chrome/Perfetto trace
+    plan       a schedule as the integer tables the runtime indexes
+    formulas   bubble fractions and the collectives of one step (pure Python)
+    stage      what a stage is: layers(...), Grads, losses, the layer layout, the checks
+    runtime    run / pipeline / run_pipeline: the schedule-driven SPMD program
+    baseline   the forward-only scanned pipeline differentiated by autodiff (GPipe)
+    verify     against the lecture and the unsharded model (`jaxpar verify schedule|pp`)
+
+    from jaxpar.pipeline import schedule, runtime
+    s = schedule.make("1f1b", stages=4, microbatches=8)
+    loss, grads = runtime.run(s, runtime.layers(layer_fn), params, (inputs, targets), mesh=m)
+
+Importing this package imports nothing: `schedule`, `orders`, `viz`, `plan` and
+`formulas` never import JAX, so `jaxpar schedule` starts at once.
+"""

@@ -13,9 +13,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.mesh import DP, PP
+from jaxpar.collectives import varying
+from jaxpar.mesh import DP, PP, axis_size, require_mesh
 from jaxpar.pipeline import schedule as schedule_lib
-from jaxpar.pipeline.runtime import Pipeline, _axis, _varying, check, mse
+from jaxpar.pipeline.runtime import Pipeline
+from jaxpar.pipeline.stage import mse, validate
 
 
 def gpipe_baseline(stage_fn: Callable, params, batch, *, mesh, microbatches: int,
@@ -24,9 +26,10 @@ def gpipe_baseline(stage_fn: Callable, params, batch, *, mesh, microbatches: int
     on microbatch t - d and ppermutes the result to d + 1; m + p - 1 steps; the backward is
     jax.grad of the whole scan, so every step's residuals are kept: memory grows with m.
     Returns a Pipeline whose `step` has the runtime's signature (stage layout with v = 1)."""
-    p, dp = _axis(mesh, PP), _axis(mesh, DP)
+    require_mesh(mesh, axes=(PP,), only=(DP, PP), needed_by="the GPipe baseline")
+    p, dp = axis_size(mesh, PP), axis_size(mesh, DP)
     schedule = schedule_lib.make("gpipe", stages=p, microbatches=microbatches)
-    _, rows = check(schedule, params, batch, mesh)
+    validate(schedule, stage_fn, params, batch, mesh, loss_fn)
     m, has_dp = microbatches, dp > 1
     axes = (DP, PP) if has_dp else (PP,)
     chain = [(d, d + 1) for d in range(p - 1)]
@@ -38,8 +41,8 @@ def gpipe_baseline(stage_fn: Callable, params, batch, *, mesh, microbatches: int
 
         def loss_of(stage_params, inputs):
             xs, ts = split(inputs), split(targets)
-            state = _varying(jnp.full(xs.shape[1:], bubble_fill, xs.dtype), axes)
-            outs = _varying(jnp.full(xs.shape, bubble_fill, xs.dtype), axes)
+            state = varying(jnp.full(xs.shape[1:], bubble_fill, xs.dtype), axes)
+            outs = varying(jnp.full(xs.shape, bubble_fill, xs.dtype), axes)
 
             def step(carry, t):
                 state, outs = carry
@@ -59,7 +62,7 @@ def gpipe_baseline(stage_fn: Callable, params, batch, *, mesh, microbatches: int
         # device's gradient stays its own (device 0's input gradient; each dp shard's weight
         # gradient, all-reduced once below) rather than all-reduced where JAX meets them.
         loss, (grads, dx) = jax.value_and_grad(loss_of, argnums=(0, 1))(
-            _varying(stage_params, axes), _varying(inputs, axes))
+            varying(stage_params, axes), varying(inputs, axes))
         if has_dp:
             loss, grads = jax.lax.psum((loss, grads), DP)
         return loss[None], jax.tree.map(lambda a: a[None, None], grads), dx[None]

@@ -7,12 +7,10 @@
 
 `params` is a pytree whose leaves stack the model's L layers on a leading axis; stage k
 of the S = p*v model stages holds layers [k*L/S, (k+1)*L/S), and `stage_fn(stage_params,
-x) -> y` runs them (`layers(layer_fn)` builds one from a per-layer function; y has x's
-shape). `loss_fn(y, targets) -> scalar` must be a mean over the microbatch, so that the
-mean over microbatches (and dp shards) is the whole batch's loss.
+x) -> y` runs them (`layers(layer_fn)` builds one; `stage.py` says what a stage is).
 
 Inside `shard_map` over `pp` (and `dp`), `lax.scan` walks the steps of the schedule's
-plan (`runtime_plan`: its table as integer tables). At each step a device reads its entry,
+plan (`plan.py`: its table as integer tables). At each step a device reads its entry,
 indexed by `lax.axis_index("pp")`, and runs two lanes, each a `lax.switch`:
   backward lane  idle; B c: the pullback of the output gradient rebuilt from the slot of
                  chunk c's F: the input gradient goes to the previous stage and, unless
@@ -29,7 +27,7 @@ sends. Residual slots number the schedule's `peak_in_flight`, so compiled memory
 the schedule: 1F1B's does not grow with m, GPipe's does. Over dp, the gradients are
 all-reduced (psum) once, at the end.
 
-`gpipe_baseline` is the simple alternative (the JAX shard_map docs, MaxText): a
+`baseline.gpipe_baseline` is the simple alternative (the JAX shard_map docs, MaxText): a
 forward-only scanned pipeline differentiated by autodiff, whose memory grows with m.
 """
 
@@ -44,112 +42,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.collectives import pvary
-from jaxpar.mesh import DP, PP
-from jaxpar.pipeline import runtime_plan
-from jaxpar.pipeline.runtime_plan import F as FIELD
-from jaxpar.pipeline.runtime_plan import LANES
+from jaxpar.collectives import varying
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import DP, PP, axis_size
+from jaxpar.pipeline import plan as plan_lib
+from jaxpar.pipeline.plan import F as FIELD
+from jaxpar.pipeline.plan import LANES
 from jaxpar.pipeline.schedule import Schedule
+from jaxpar.pipeline.stage import Grads, from_stages, layers, mse, to_stages, unstack, validate
 
-
-class Grads(NamedTuple):
-    params: Any   # d loss / d params: the structure and shapes of params
-    inputs: Any   # d loss / d inputs: the shape of the batch's inputs
-
-
-def mse(y, targets):
-    """Mean squared error over the microbatch (the lecture MLP's loss)."""
-    return jnp.mean(jnp.square(y - targets))
-
-
-class layers:
-    """A stage function from a per-layer one: `layers(layer_fn)(stage_params, x)` applies
-    layer_fn for each entry of stage_params' leading (layer) axis, in order.
-
-    The runtime takes each layer's parameters out of the stack before the stage's vjp, so
-    the residuals it keeps between F and B hold activations only; a stage function of
-    another kind keeps whatever its vjp saves, slices of its weights included."""
-
-    def __init__(self, layer_fn: Callable):
-        self.layer_fn = layer_fn
-        functools.update_wrapper(self, layer_fn)
-
-    def __call__(self, stage_params, x):
-        return self.apply(unstack(stage_params), x)
-
-    def apply(self, per_layer, x):
-        for p in per_layer:
-            x = self.layer_fn(p, x)
-        return x
-
-
-def unstack(stacked) -> list:
-    """[n, ...] leaves -> a list of n pytrees."""
-    n = jax.tree.leaves(stacked)[0].shape[0]
-    return [jax.tree.map(lambda a: a[j], stacked) for j in range(n)]
-
-
-# ---- checks and layout ---------------------------------------------------------------
-
-def _axis(mesh, name: str) -> int:
-    return mesh.shape.get(name, 1)
-
-
-def check(schedule: Schedule, params, batch, mesh) -> tuple[int, int]:
-    """Raise ValueError (value, constraint, fix) unless `schedule` can run `params` and
-    `batch` on `mesh`; return (layers, local batch rows per microbatch)."""
-    if PP not in mesh.shape:
-        raise ValueError(f"mesh axes {dict(mesh.shape)} have no {PP!r} axis: build one with "
-                         f"mesh.make_mesh(pp={schedule.stages}) (or dp=..., pp=...)")
-    extra = {a: n for a, n in mesh.shape.items() if a not in (DP, PP) and n > 1}
-    if extra:
-        raise ValueError(f"mesh axes {extra}: the pipeline runtime splits over {DP!r} and {PP!r} "
-                         f"only; give the other axes size 1")
-    p, v, mb = _axis(mesh, PP), schedule.chunks, schedule.microbatches
-    if schedule.stages != p:
-        raise ValueError(f"schedule {schedule.name!r} is built for p={schedule.stages} stages but the "
-                         f"mesh has {PP}={p}: make it with schedule.make({schedule.name!r}, stages={p}, ...)")
-    leaves = jax.tree.leaves(params)
-    if not leaves:
-        raise ValueError("params has no arrays: give a pytree whose leaves stack the layers on axis 0")
-    n_layers = leaves[0].shape[0] if leaves[0].ndim else 0
-    if any(a.ndim == 0 or a.shape[0] != n_layers for a in leaves):
-        raise ValueError(f"params leaves have leading axes {[a.shape[:1] for a in leaves]}: every leaf "
-                         f"stacks the same number of layers on axis 0")
-    stages = p * v
-    if n_layers % stages:
-        raise ValueError(f"{n_layers} layers do not split into p*v = {p}*{v} = {stages} stages: use a "
-                         f"layer count divisible by {stages} or another p or v")
-    inputs, targets = batch
-    rows, dp = jnp.shape(inputs)[0], _axis(mesh, DP)
-    if jnp.shape(targets)[0] != rows:
-        raise ValueError(f"inputs have {rows} rows but targets {jnp.shape(targets)[0]}: give one target per row")
-    if rows % (dp * mb):
-        raise ValueError(f"batch of {rows} rows does not split into {DP}={dp} x microbatches={mb}: "
-                         f"use a batch divisible by {dp * mb}, or another microbatch count")
-    return n_layers, rows // (dp * mb)
-
-
-def to_stages(params, schedule: Schedule):
-    """[L, ...] leaves -> [p, v, L/(p v), ...]: entry [d, c] holds stage stage_of(d, c)."""
-    p, v = schedule.stages, schedule.chunks
-    order = np.array([[schedule.stage_of(d, c) for c in range(v)] for d in range(p)])
-
-    def one(a):
-        a = a.reshape(p * v, a.shape[0] // (p * v), *a.shape[1:])
-        return a[order.reshape(-1)].reshape(p, v, *a.shape[1:])
-    return jax.tree.map(one, params)
-
-
-def from_stages(params, schedule: Schedule):
-    """Inverse of to_stages: [p, v, L/(p v), ...] -> [L, ...]."""
-    p, v = schedule.stages, schedule.chunks
-    inverse = np.argsort([schedule.stage_of(d, c) for d in range(p) for c in range(v)])
-
-    def one(a):
-        a = a.reshape(p * v, *a.shape[2:])[inverse]
-        return a.reshape(-1, *a.shape[2:])
-    return jax.tree.map(one, params)
+__all__ = ["Grads", "Pipeline", "from_stages", "layers", "mse", "pipeline", "run", "run_pipeline", "to_stages"]
 
 
 # ---- the residuals one stage keeps between F and B ------------------------------------
@@ -202,16 +104,6 @@ class _Residuals:
 
 # ---- the schedule-driven program -------------------------------------------------------
 
-def _varying(x, axes):
-    """x typed varying over every axis in `axes` (shard_map's check_vma: a scan carry and
-    the branches of a switch must agree on it)."""
-    def one(a):
-        for axis in axes:
-            a = pvary(a, axis)
-        return a
-    return jax.tree.map(one, x)
-
-
 def _step_program(plan, loss_fn, residuals: _Residuals, axes, fill, loss_dtype, dp, input_grads):
     """The per-device program: (stage params [v, Lc, ...], inputs [m, mb, ...], targets) ->
     (loss, grads [v, Lc, ...], dx [m, mb, ...]), run inside shard_map."""
@@ -223,7 +115,7 @@ def _step_program(plan, loss_fn, residuals: _Residuals, axes, fill, loss_dtype, 
     def program(params, inputs, targets):
         # Typed varying over dp too, or the vjp of every B would all-reduce the weight
         # gradient over dp (the transpose of the implicit pvary); it is summed once, at the end.
-        params = _varying(params, axes)
+        params = varying(params, axes)
         me = jax.lax.axis_index(PP)
         act = jax.ShapeDtypeStruct(inputs.shape[1:], inputs.dtype)
         buf = lambda n, a: jnp.full((n + 1, *a.shape), fill if jnp.issubdtype(a.dtype, jnp.inexact) else 0, a.dtype)
@@ -235,8 +127,8 @@ def _step_program(plan, loss_fn, residuals: _Residuals, axes, fill, loss_dtype, 
         # Each chunk's parameters (each layer's, for a `layers` stage) sliced once, here:
         # sliced inside a branch, XLA would copy the weights at every step.
         chunks = [residuals.split(jax.tree.map(lambda a: a[c], params)) for c in range(v)]
-        residuals.learn(chunks[0], _varying(jnp.zeros(act.shape, act.dtype), axes))
-        carry = _varying(dict(carry, res=[buf(plan.n_res, a) for a in residuals.shapes]), axes)
+        residuals.learn(chunks[0], varying(jnp.zeros(act.shape, act.dtype), axes))
+        carry = varying(dict(carry, res=[buf(plan.n_res, a) for a in residuals.shapes]), axes)
 
         zero_grads = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), params)
 
@@ -249,7 +141,7 @@ def _step_program(plan, loss_fn, residuals: _Residuals, axes, fill, loss_dtype, 
                 if kind == "F_last":
                     loss, dy = jax.value_and_grad(loss_fn)(o["out"], target)
                     o["out"], o["loss"] = (dy / scale).astype(dy.dtype), (loss / scale).astype(loss_dtype)
-                return _varying(o, axes)
+                return varying(o, axes)
             return run
 
         def backward_branch(kind, c):
@@ -261,7 +153,7 @@ def _step_program(plan, loss_fn, residuals: _Residuals, axes, fill, loss_dtype, 
                         o["out"] = dx
                     if kind == "W" or not split:
                         o["grads"] = d_params
-                return _varying(o, axes)
+                return varying(o, axes)
             return run
 
         f_branches = [forward_branch(kind, c) for kind, c in plan.f_branches]
@@ -312,28 +204,33 @@ class Pipeline(NamedTuple):
     (stage params [p, v, Lc, ...] sharded over pp, inputs, targets) to (loss per pp
     device, grads in the stage layout, input gradients per pp device); `plan` its tables."""
     step: Callable
-    plan: runtime_plan.Plan
+    plan: plan_lib.Plan
     schedule: Schedule
     mesh: Any
 
 
 def pipeline(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn: Callable = mse,
              recompute: bool = False, bubble_fill: float = 0.0, input_grads: bool = True) -> Pipeline:
-    """Check everything (ValueError before compiling) and build the jitted step; `params`
+    """Check everything (ConfigError before compiling) and build the jitted step; `params`
     and `batch` may be arrays or ShapeDtypeStructs (only their shapes are used)."""
-    n_layers, rows = check(schedule, params, batch, mesh)
-    plan = runtime_plan.plan(schedule)
-    p, v, m, dp = schedule.stages, schedule.chunks, schedule.microbatches, _axis(mesh, DP)
+    n_layers, rows = validate(schedule, stage_fn, params, batch, mesh, loss_fn)
+    plan = plan_lib.plan(schedule)
+    p, v, m, dp = schedule.stages, schedule.chunks, schedule.microbatches, axis_size(mesh, DP)
     inputs, targets = batch
     stage_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct((n_layers // (p * v), *a.shape[1:]), a.dtype), params)
     x = jax.ShapeDtypeStruct((rows, *jnp.shape(inputs)[1:]), jnp.result_type(inputs))
     y = jax.eval_shape(stage_fn, stage_params, x)
-    if (y.shape, y.dtype) != (x.shape, x.dtype):
-        raise ValueError(f"stage_fn maps a microbatch {x.shape} {x.dtype} to {y.shape} {y.dtype}: a "
-                         f"pipeline stage must keep the activation's shape and dtype")
+    if not isinstance(y, jax.ShapeDtypeStruct) or (y.shape, y.dtype) != (x.shape, x.dtype):
+        got = f"{y.shape} {y.dtype}" if isinstance(y, jax.ShapeDtypeStruct) else type(y).__name__
+        raise ConfigError(f"stage_fn maps a microbatch {x.shape} {x.dtype} to {got}: a "
+                          f"pipeline stage must keep the activation's shape and dtype")
     residuals = _Residuals(stage_fn, recompute)
-    loss_dtype = jax.eval_shape(loss_fn, y, jax.ShapeDtypeStruct((rows, *jnp.shape(targets)[1:]),
-                                                                 jnp.result_type(targets))).dtype
+    loss = jax.eval_shape(loss_fn, y, jax.ShapeDtypeStruct((rows, *jnp.shape(targets)[1:]), jnp.result_type(targets)))
+    if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+        got = f"{loss.shape} {loss.dtype}" if isinstance(loss, jax.ShapeDtypeStruct) else type(loss).__name__
+        raise ConfigError(f"loss_fn(y, targets) gives {got}: it must be a floating scalar, the mean over the "
+                          "microbatch (e.g. jnp.mean(...))")
+    loss_dtype = loss.dtype
     has_dp = dp > 1  # a dp axis of size 1 is left alone: XLA keeps collectives over one device
     axes = (DP, PP) if has_dp else (PP,)
     program = _step_program(plan, loss_fn, residuals, axes, bubble_fill, loss_dtype, dp if dp > 1 else 1,
@@ -376,17 +273,3 @@ def run_pipeline(pipe: Pipeline, params, batch) -> tuple[jax.Array, Grads]:
     loss, grads, dx = pipe.step(to_stages(params, pipe.schedule), *batch)
     # the loss is on the last stage's device, zero elsewhere; the input gradient on device 0
     return loss.sum(), Grads(params=from_stages(grads, pipe.schedule), inputs=None if dx is None else dx[0])
-
-
-def tour_check():
-    from jaxpar.pipeline.runtime_checks import tour_check
-    return tour_check()
-
-
-def gpipe_baseline(stage_fn: Callable, params, batch, *, mesh, microbatches: int, loss_fn: Callable = mse,
-                   bubble_fill: float = 0.0) -> Pipeline:
-    """The forward-only scanned pipeline differentiated by autodiff (`baseline.py`): a
-    Pipeline with the same step signature, whose memory grows with m."""
-    from jaxpar.pipeline import baseline  # it imports this module
-    return baseline.gpipe_baseline(stage_fn, params, batch, mesh=mesh, microbatches=microbatches,
-                                   loss_fn=loss_fn, bubble_fill=bubble_fill)

@@ -7,10 +7,10 @@ B=1 for the input gradient and W=1 for the weight gradient), so `occupancy(devic
 gives what a device is busy with at every tick and `program(device)` its ordered
 actions with their start ticks. Everything else is read from that table: the bubble,
 the peak live activations, the sends between devices, the ASCII/PNG/Perfetto
-timelines (`schedule_viz`) and the validator; the JAX runtime (`runtime.py`) executes
-these tables.
+timelines (`viz`) and the validator; the JAX runtime (`runtime.py`) executes
+these tables. Pure Python: building a schedule never imports JAX.
 
-Generators give each device an ordered program and `schedule_orders.simulate` places
+The generators of `orders` give each device an ordered program and `simulate` places
 every action at the earliest tick its device and its inputs allow, as a device with
 blocking receives would run it. So no figure is ever taken from a formula.
 
@@ -24,24 +24,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import numbers
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from jaxpar.pipeline import schedule_viz
+from jaxpar import errors
+from jaxpar.errors import ConfigError, is_whole
+from jaxpar.pipeline import orders, viz
+from jaxpar.pipeline.orders import Action
 
-
-class Action(NamedTuple):
-    """One unit of work: kind F (forward), B (backward; input gradient only when the
-    schedule splits the backward), or W (weight gradient), of one microbatch on one chunk
-    (model piece) of a device."""
-
-    kind: str
-    microbatch: int
-    chunk: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}" + (f".c{self.chunk}" if self.chunk else "")
+__all__ = ["Action", "Schedule", "ScheduleError", "Send", "make", "simulate", "KNOWN", "SPLIT"]
 
 
 class Send(NamedTuple):
@@ -59,20 +50,27 @@ class Send(NamedTuple):
     needed_at: int
 
 
-class ScheduleError(ValueError):
+class ScheduleError(ConfigError):
     """A table that cannot run: `tick` and `device` locate it (tick None: nowhere in time,
     e.g. a missing action); the message ends with the timeline and a `^` under the spot."""
 
     def __init__(self, message: str, schedule: Schedule, tick: int | None, device: int):
         self.tick, self.device = tick, device
-        super().__init__(f"{message}\n{schedule_viz.mark(schedule, tick, device)}")
+        super().__init__(f"{message}\n{viz.mark(schedule, tick, device)}")
 
 
 # F=1, B=2 is the lecture's time model; split backward halves B into B (input) and W (weights).
 DEFAULT_COSTS = {"F": 1, "B": 2}
 DEFAULT_SPLIT_COSTS = {"F": 1, "B": 1, "W": 1}
-KNOWN = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "dualpipe-v")
-SPLIT = ("zb-h1", "zb-h2", "dualpipe-v")  # the schedules whose backward is split into B and W
+# Read off the one registry (orders.REGISTRY), for readers that want names only.
+KNOWN = tuple(orders.REGISTRY)
+SPLIT = tuple(n for n, k in orders.REGISTRY.items() if k.split_backward)  # backward split into B and W
+# Sizes beyond any pipeline (Llama 3 405B: 16 stages, DeepSeek-V3: 16): past these a
+# request is a typo, and building its table would only exhaust memory.
+MAX_STAGES = 1024
+MAX_MICROBATCHES = 1 << 16
+MAX_CHUNKS = 64
+MAX_ACTIONS = 1 << 21   # p * m * v * kinds: a table of about 2 million actions builds in seconds
 # Where chunk c of device d sits in the model: "interleaved" (Megatron) stage c*p + d;
 # "v" (ZB-V, DualPipeV; chunks=2) stage d going down the devices, 2p-1-d coming back up.
 LAYOUTS = ("interleaved", "v")
@@ -102,27 +100,25 @@ class Schedule:
     layout: str = "interleaved"
 
     def __post_init__(self):
-        for what, n in (("stages p", self.stages), ("microbatches m", self.microbatches),
-                        ("chunks v", self.chunks)):
-            check_count(what, n)
+        check_sizes(self.stages, self.microbatches, self.chunks)
         if self.layout not in LAYOUTS:
-            raise ValueError(f"layout {self.layout!r}: one of {', '.join(LAYOUTS)}")
+            raise ConfigError(f"layout {self.layout!r}: one of {', '.join(LAYOUTS)}")
         if self.layout == "v" and self.chunks != 2:
-            raise ValueError(f"layout 'v' has 2 chunks per device (down and back up), not {self.chunks}")
+            raise ConfigError(f"layout 'v' has 2 chunks per device (down and back up), not {self.chunks}")
         kinds = "FBW" if self.split_backward else "FB"
         if not isinstance(self.costs, Mapping) or set(self.costs) != set(kinds) \
                 or not all(is_whole(c) and c >= 1 for c in self.costs.values()):
             example = DEFAULT_SPLIT_COSTS if self.split_backward else DEFAULT_COSTS
-            raise ValueError(f"costs {self.costs!r}: whole ticks >= 1 for exactly the kinds "
+            raise ConfigError(f"costs {self.costs!r}: whole ticks >= 1 for exactly the kinds "
                              f"{', '.join(kinds)} (split_backward={self.split_backward}), e.g. {example}")
         for t, row in enumerate(self.actions):
             if not isinstance(row, Sequence) or len(row) != self.stages:
-                raise ValueError(f"actions[{t}] = {row!r}: a row holds one entry per device, "
+                raise ConfigError(f"actions[{t}] = {row!r}: a row holds one entry per device, "
                                  f"{self.stages} here (None where the device starts nothing)")
             for d, a in enumerate(row):
                 if a is not None and not (isinstance(a, Action) and a.kind in ("F", "B", "W")
                                           and is_whole(a.microbatch) and is_whole(a.chunk)):
-                    raise ValueError(f"actions[{t}][{d}] = {a!r}: an entry is None or Action(kind, "
+                    raise ConfigError(f"actions[{t}][{d}] = {a!r}: an entry is None or Action(kind, "
                                      f"microbatch, chunk), kind F, B or W, whole numbers for the "
                                      f"others, e.g. Action('F', 0)")
         for d, prog in enumerate(self._programs):
@@ -282,8 +278,8 @@ class Schedule:
 
     def ascii(self) -> str:
         """Header (bubble, total time, peak activations) and one row per stage, in the
-        lecture's alphabet; see `schedule_viz.LEGEND`."""
-        return schedule_viz.render(self)
+        lecture's alphabet; see `viz.LEGEND`."""
+        return viz.render(self)
 
     def to_dict(self) -> dict:
         return {
@@ -306,11 +302,11 @@ class Schedule:
 
     def chrome_trace(self) -> dict:
         """The schedule as Chrome-trace JSON (open in ui.perfetto.dev); 1 tick = 1 ms."""
-        return schedule_viz.chrome_trace(self)
+        return viz.chrome_trace(self)
 
     def save_png(self, path: str) -> None:
         """A timeline figure (matplotlib, imported only here)."""
-        schedule_viz.save_png(self, path)
+        viz.save_png(self, path)
 
     # ---- validation -----------------------------------------------------------------
 
@@ -318,8 +314,6 @@ class Schedule:
         """Raise ScheduleError unless the table can run: one action at a time per device,
         every action exactly once, no deadlock with blocking receives, and each action
         starting after the actions it needs ended (construction checked kinds and indices)."""
-        from jaxpar.pipeline.schedule_orders import find_deadlock  # it imports this module
-
         kinds = "FBW" if self.split_backward else "FB"
         for d, prog in enumerate(self._programs):
             for (t0, a0), (t1, a1) in zip(prog, prog[1:]):
@@ -360,19 +354,16 @@ class Schedule:
         return action.kind, action.microbatch, self.stage_of(device, action.chunk)
 
 
-def is_whole(n) -> bool:
-    return isinstance(n, numbers.Integral) and not isinstance(n, bool)
-
-
-def check_count(what: str, n) -> None:
-    """Raise ValueError unless `n` ("stages p", "microbatches m" or "chunks v") is a whole
-    number >= 1: True, 2.0 and "4" are not."""
-    field, flag = what.split()[0], "-" + what[-1]
-    if not is_whole(n):
-        raise ValueError(f"{what}={n!r} is a {type(n).__name__}, not a whole number: give one "
-                         f">= 1, e.g. {field}=4 ({flag} 4)")
-    if n < 1:
-        raise ValueError(f"{what}={n}: need at least 1 ({flag} 1 or more)")
+def check_sizes(stages, microbatches, chunks) -> None:
+    """Refuse p, m or v that are not whole numbers >= 1 (True, 2.0 and "4" are not), or
+    sizes no machine has."""
+    errors.whole("stages", stages, maximum=MAX_STAGES)
+    errors.whole("microbatches", microbatches, maximum=MAX_MICROBATCHES)
+    errors.whole("chunks", chunks, maximum=MAX_CHUNKS)
+    actions = stages * microbatches * chunks * 3
+    if actions > MAX_ACTIONS:
+        raise ConfigError(f"stages={stages} x microbatches={microbatches} x chunks={chunks} is {actions:,} actions, "
+                          f"more than the {MAX_ACTIONS:,} a table holds here; use fewer stages or microbatches")
 
 
 def units(chunks: int) -> dict[str, str]:
@@ -385,15 +376,94 @@ def units(chunks: int) -> dict[str, str]:
             "peaks": f"microbatch-chunks (each 1/{chunks} of a stage's activations)"}
 
 
+def find_deadlock(programs: Sequence[Sequence[Action]], shape: Schedule) -> list[tuple[int, Action]]:
+    """A cycle of the wait-for graph, as [(device, action), ...], or [] if none.
+
+    Each action waits for the one before it on its device and for the actions whose
+    results it receives (`Schedule.inputs`); a receive blocks until the producer ran.
+    Iterative depth-first search, so p=8, m=32, v=4 stays well under a millisecond a node."""
+    node = {shape._key(d, a): (d, j) for d, p in enumerate(programs) for j, a in enumerate(p)}
+
+    def waits_for(d: int, j: int) -> list[tuple[int, int]]:
+        out = [(d, j - 1)] if j else []
+        return out + [node[k] for k in shape.inputs(d, programs[d][j]) if k in node]
+
+    state: dict[tuple[int, int], int] = {}  # 1 on the DFS path, 2 done
+    for root in node.values():
+        if root in state:
+            continue
+        path, stack = [root], [iter(waits_for(*root))]
+        state[root] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                cycle = path[path.index(nxt):]
+                return [(d, programs[d][j]) for d, j in cycle]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(waits_for(*nxt)))
+    return []
+
+
+def simulate(name: str, stages: int, microbatches: int, chunks: int, costs: Mapping[str, int],
+             split_backward: bool, programs: Sequence[Sequence[Action]],
+             layout: str = "interleaved") -> Schedule:
+    """Place each device's program in order, every action at the earliest tick at which
+    its device is free and its inputs have ended (a device with blocking receives)."""
+    shape = Schedule(name, stages, microbatches, chunks, dict(costs), split_backward, (), layout)
+    end: dict[Key, int] = {}
+    placed: list[list[tuple[int, Action]]] = [[] for _ in range(stages)]
+    free = [0] * stages
+    progress = True
+    while progress:
+        progress = False
+        for d, prog in enumerate(programs):
+            while len(placed[d]) < len(prog):
+                a = prog[len(placed[d])]
+                needs = shape.inputs(d, a)
+                if any(k not in end for k in needs):
+                    break
+                t = max([free[d]] + [end[k] for k in needs])
+                free[d] = end[shape._key(d, a)] = t + costs[a.kind]
+                placed[d].append((t, a))
+                progress = True
+    if any(len(p) < len(q) for p, q in zip(placed, programs)):
+        chain = " -> ".join(f"{a} on device {d}" for d, a in find_deadlock(programs, shape))
+        raise ConfigError(f"{name}: the device programs deadlock: {chain} -> (back to the first)")
+    table: list[list[Action | None]] = [[None] * stages for _ in range(max(free, default=0))]
+    for d, p in enumerate(placed):
+        for t, a in p:
+            table[t][d] = a
+    return dataclasses.replace(shape, actions=tuple(tuple(r) for r in table))
+
+
 def make(name: str, stages: int, microbatches: int, chunks: int | None = None,
          costs: Mapping[str, int] | None = None) -> Schedule:
-    """Build, simulate and validate a named schedule (one of KNOWN).
+    """Build, simulate and validate a named schedule (a name of `orders.REGISTRY`).
 
     chunks: model chunks per device, interleaved only (default 2 there, 1 elsewhere).
     costs: ticks per kind, overriding F=1, B=2 (F=B=W=1 for the split ones, SPLIT).
-    Bad input (p, m or v not a whole number >= 1 (True, 2.0, "4"), interleaved m not a multiple
-    of p, zero-bubble m < p, dualpipe-v m < 2p-1, an unknown name, a bad cost) raises ValueError
-    naming the value and how to fix it."""
-    from jaxpar.pipeline import schedule_orders  # it imports Action and Schedule from here
-
-    return schedule_orders.build(name, stages, microbatches, chunks, costs)
+    Bad input (p, m or v not a whole number >= 1 (True, 2.0, "4") or past any machine,
+    interleaved m not a multiple of p, zero-bubble m < p, dualpipe-v m < 2p-1, an unknown
+    name, a bad cost) raises ConfigError naming the value and how to fix it."""
+    kind = orders.lookup(name)
+    chunks = kind.chunks if chunks is None else chunks
+    check_sizes(stages, microbatches, chunks)
+    kind.requires(name, stages, microbatches, chunks)
+    full = dict(DEFAULT_SPLIT_COSTS if kind.split_backward else DEFAULT_COSTS)
+    errors.mapping("costs", {} if costs is None else costs, "{'F': 1, 'B': 2}")
+    for k, c in (costs or {}).items():
+        if k not in full:
+            raise ConfigError(f"cost {k}={c}: {name} has kinds {', '.join(full)} only"
+                              + ("" if kind.split_backward
+                                 else f" (W exists only with the split backward: {', '.join(SPLIT)})"))
+        if not is_whole(c) or c < 1:
+            raise ConfigError(f"cost {k}={c}: costs are whole ticks >= 1, e.g. {k}=1")
+        full[k] = c
+    programs = kind.order(stages, microbatches, chunks)
+    return simulate(name, stages, microbatches, chunks, full, kind.split_backward, programs,
+                    kind.layout).validate()

@@ -10,7 +10,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import comms
 from jaxpar import mesh as mesh_lib
-from jaxpar.collectives import copy_to_tp, gather_from_sp, pvary, reduce_from_tp, reduce_scatter_to_sp
+from jaxpar.collectives import pvary
+from jaxpar.tensor.ops import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
 from jaxpar.mesh import TP
 
 B, T, D = 2, 8, 3

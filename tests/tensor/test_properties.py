@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from jaxpar import mesh as mesh_lib
 from jaxpar import reference
-from jaxpar.tensor_checks import run_block
+from jaxpar.tensor.verify import run_block
 from jaxpar.testing import assert_close
 
 
@@ -41,7 +41,7 @@ def tp_cases(draw):
 @given(tp_cases())
 def test_tp_block_matches_reference_for_drawn_shapes(case):
     cfg, dp, tp, sp, batch, seq = case
-    run = run_block(cfg, mesh_lib.make_mesh(dp=dp, tp=tp), sequence_parallel=sp, batch=batch, seq=seq)
+    run = run_block(cfg, mesh_lib.make_mesh(dp=dp, tp=tp), sequence_parallel=sp, batch_size=batch, seq_len=seq)
     assert_close(run.out, run.ref)
     assert run.forward == run.formula_forward
     # Backward bytes always; counts too, except where tp_block_collectives documents that

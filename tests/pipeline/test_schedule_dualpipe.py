@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxpar import cli
+from jaxpar.cli.main import main
 from jaxpar.pipeline import schedule as S
-from jaxpar.pipeline.schedule_lecture import dualpipe_v_bubble
+from jaxpar.pipeline.formulas import dualpipe_v_bubble
 
 FAST = settings(max_examples=40, deadline=None)
 
@@ -144,10 +144,10 @@ def test_p4_m8_figures():
 
 
 @pytest.mark.parametrize("args, value, fix", [
-    (("dualpipe-v", 4, 6), "m=6 < 7 for p=4", "use -m 7 or more"),
-    (("dualpipe-v", 8, 14), "m=14 < 15 for p=8", "use -m 15 or more"),
-    (("dualpipe-v", 4, 8, 3), "not v=3", "drop -v"),
-    (("dualpipe-v", 0, 8), "p=0", "-p 1 or more"),
+    (("dualpipe-v", 4, 6), "microbatches=6 < 7 for stages=4", "use microbatches=7 or more"),
+    (("dualpipe-v", 8, 14), "microbatches=14 < 15 for stages=8", "use microbatches=15 or more"),
+    (("dualpipe-v", 4, 8, 3), "not chunks=3", "drop chunks"),
+    (("dualpipe-v", 0, 8), "stages=0", "stages=1 or more"),
 ])
 def test_bad_input(args, value, fix):
     # the message names the offending value, then how to fix it
@@ -167,11 +167,11 @@ def test_json_trace_png(tmp_path):
 
 
 def test_cli(capsys):
-    assert cli.main(["schedule", "dualpipe-v", "-p", "4", "-m", "8"]) == 0
+    assert main(["schedule", "dualpipe-v", "-p", "4", "-m", "8"]) == 0
     out = capsys.readouterr().out
     assert "bubble 5.9%" in out and "sends between devices: 96" in out
-    assert cli.main(["schedule", "--all", "-p", "4", "-m", "8", "--costs", "F=1,B=1,W=1"]) == 0
+    assert main(["schedule", "--all", "-p", "4", "-m", "8", "--costs", "F=1,B=1,W=1"]) == 0
     line = next(r for r in capsys.readouterr().out.splitlines() if "dualpipe-v" in r)
     assert "5.9%" in line and "[8, 8, 8, 8]" in line
-    assert cli.main(["schedule", "dualpipe-v", "-p", "4", "-m", "4"]) == 2
+    assert main(["schedule", "dualpipe-v", "-p", "4", "-m", "4"]) == 2
     assert "use -m 7 or more" in capsys.readouterr().err

@@ -24,19 +24,30 @@ tensor parallel end to end.
                                the identity); bwd: f's all-reduce of dL/dz over tp, b*T*D,
                                and with dp > 1 the all-reduce over dp of this device's
                                unembed and final_norm gradients, (V/t + 1)*D
-    (b = B/dp; `vocab_collectives` states these as {kind: (count, bytes)}.)
+    (b = B/dp; `formulas.embedding_collectives`, `cross_entropy_collectives` and
+    `lm_loss_collectives` state these as Collectives.)
+
+Token ids and targets must lie in [0, V). They are checked when they are concrete arrays
+(numpy, or jax arrays outside jit); under jit they are traced and cannot be: an id >= V
+(or < 0) is in no shard's range, so the embedding returns a zero vector where
+reference's `embed[tokens]` clamps to the nearest row, and the cross-entropy reads the
+target's logit as the max, finite and wrong, where reference.cross_entropy gives NaN.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import reference, tensor
-from jaxpar.collectives import reduce_from_tp
-from jaxpar.mesh import DP, TP
+from jaxpar import errors, reference
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import DP, TP, axis_size, require_mesh
+from jaxpar.tensor.block import tp_block, validate_batch
+from jaxpar.tensor.layers import column_parallel
+from jaxpar.tensor.ops import reduce_from_tp
 
 
 def _vocab_range(v_local: int, axis: str):
@@ -60,9 +71,7 @@ def embedding_shard(embed, tokens, *, axis: str = TP):
 def cross_entropy_shard(logits, targets, *, axis: str = TP):
     """logits: [B, T, V/t] (this device's vocab slice), targets: int[B, T] -> mean loss.
 
-    targets must lie in [0, V): they are traced values, so nothing checks them before the
-    compute. An id >= V (or < 0) is in no shard's range: its target logit reads as the max
-    and the loss comes out finite and wrong, where reference.cross_entropy gives NaN.
+    targets must lie in [0, V) (see the module docstring for what happens otherwise).
 
     loss = log sum_v exp(l_v) - l_target, with the max subtracted for stability: global
     max (pmax), global sum of exp (psum), the target's logit from the one shard that has
@@ -91,29 +100,42 @@ def lm_head_loss_shard(x, final_norm, unembed, targets, *, eps: float, axis: str
     gradients are whole. logits [B, T, V/t] stay on this device.
     """
     z = reference.rms_norm(x, final_norm, eps)                          # [B, T, D]
-    (logits,) = tensor.column_parallel(z, unembed, axis=axis)            # f; [B, T, V/t]
+    (logits,) = column_parallel(z, unembed, axis=axis)                   # f; [B, T, V/t]
     return cross_entropy_shard(logits, targets, axis=axis)
 
 
-def _check(v: int, batch: int, mesh: Mesh) -> tuple[str | None, str | None]:
-    """Validate the split; returns the (data, vocab) axis names that really split (size > 1:
-    XLA keeps a collective over a group of one, so a size-1 axis is left unsplit)."""
-    if TP not in mesh.shape:
-        raise ValueError(f"vocabulary parallelism needs a mesh with a '{TP}' axis; got {tuple(mesh.shape)}. "
-                         "Fix: jaxpar.mesh.make_mesh(tp=..., dp=...)")
-    t, dp = mesh.shape[TP], mesh.shape.get(DP, 1)
+def _split(v: int, batch_size: int, mesh: Mesh, needed_by: str) -> tuple[str | None, str | None]:
+    """Refuse a split the mesh cannot make; return the (data, vocab) axis names that really
+    split (size > 1: XLA keeps a collective over a group of one, so a size-1 axis is left unsplit)."""
+    require_mesh(mesh, axes=(TP,), needed_by=needed_by)
+    t, dp = axis_size(mesh, TP), axis_size(mesh, DP)
     if v % t:
-        raise ValueError(f"vocab V={v} is not divisible by tp={t}: each tp device holds V/tp rows. "
-                         f"Fix: pad the vocabulary to a multiple of {t} (Megatron pads to 128*tp)")
-    if batch % dp:
-        raise ValueError(f"batch B={batch} is not divisible by dp={dp}. Fix: use a batch that is a "
-                         f"multiple of {dp}")
+        raise ConfigError(f"vocab V={v} is not divisible by tp={t}: each tp device holds V/tp rows. "
+                          f"Fix: pad the vocabulary to a multiple of {t} (Megatron pads to 128*tp)")
+    validate_batch(batch_size, dp)
     return (DP if dp > 1 else None), (TP if t > 1 else None)
+
+
+def _ids(name: str, ids, vocab: int, shape: tuple[int, ...] | None = None) -> None:
+    """Refuse token ids that are not an int[B, T] array (of `shape`, when given), or, when
+    they are concrete (not traced), that fall outside [0, vocab)."""
+    got = errors.array(name, ids, ndim=2, kinds="iu", shape_doc=f"{name}[batch, seq] of token ids")
+    if shape is not None and got != shape:
+        raise ConfigError(f"{name} has shape {got}, the logits give [B, T] = {list(shape)}: one target per "
+                          "position. Fix: pass the targets of these logits")
+    if not isinstance(ids, jax.core.Tracer):
+        values = np.asarray(ids)
+        lo, hi = int(values.min()), int(values.max())
+        if lo < 0 or hi >= vocab:
+            raise ConfigError(f"{name} holds ids from {lo} to {hi}, outside [0, vocab={vocab}): every id must "
+                              "name a row of the vocabulary. Fix: map them into range, or grow the vocabulary")
 
 
 def vocab_parallel_embedding(embed, tokens, *, mesh: Mesh):
     """embed[V_tp, D] looked up at tokens[B_dp, T] -> [B_dp, T, D]; equals embed[tokens]."""
-    data, vocab = _check(embed.shape[0], tokens.shape[0], mesh)
+    shape = errors.array("embed", embed, ndim=2, kinds="f", shape_doc="embed[vocab, d_model]")
+    _ids("tokens", tokens, shape[0])
+    data, vocab = _split(shape[0], tokens.shape[0], mesh, "the vocabulary-parallel embedding")
     body = embedding_shard if vocab else (lambda embed, tokens: embed[tokens])
     return jax.shard_map(body, mesh=mesh, in_specs=(P(vocab, None), P(data)),
                          out_specs=P(data))(embed, tokens)
@@ -121,8 +143,10 @@ def vocab_parallel_embedding(embed, tokens, *, mesh: Mesh):
 
 def vocab_parallel_cross_entropy(logits, targets, *, mesh: Mesh):
     """reference.cross_entropy(logits, targets) with logits[B_dp, T, V_tp] never gathered.
-    targets: int[B_dp, T] in [0, V) (not checked: traced values; see cross_entropy_shard)."""
-    data, vocab = _check(logits.shape[-1], logits.shape[0], mesh)
+    targets: int[B_dp, T] in [0, V) (checked when concrete; see the module docstring)."""
+    shape = errors.array("logits", logits, ndim=3, kinds="f", shape_doc="logits[batch, seq, vocab]")
+    _ids("targets", targets, shape[-1], shape[:2])
+    data, vocab = _split(shape[-1], shape[0], mesh, "the vocabulary-parallel cross-entropy")
 
     def body(logits, targets):                         # logits: [B/dp, T, V/t]
         loss = cross_entropy_shard(logits, targets) if vocab else reference.cross_entropy(logits, targets)
@@ -136,16 +160,19 @@ def vocab_parallel_lm_loss(x, final_norm, unembed, targets, *, mesh: Mesh, cfg: 
     """reference.cross_entropy(reference.rms_norm(x, final_norm) @ unembed, targets), with
     unembed[D, V_tp] split over tp and x[B_dp, T, D]: each device computes logits[B_dp, T, V_tp]
     and the loss from them (lm_head_loss_shard); the full logits never exist.
-    targets: int[B_dp, T] in [0, V) (not checked: traced values). Returns the mean loss,
+    targets: int[B_dp, T] in [0, V) (checked when concrete). Returns the mean loss,
     replicated; gradients come back sharded like the inputs.
     """
-    D, V = unembed.shape
-    if x.ndim != 3 or x.shape[-1] != D or final_norm.shape != (D,) or targets.shape != x.shape[:2]:
-        raise ValueError(f"x {tuple(x.shape)}, final_norm {tuple(final_norm.shape)}, unembed {(D, V)}, targets "
-                         f"{tuple(targets.shape)}: the LM head takes x[B, T, D], final_norm[D], unembed[D, V] "
-                         "and targets[B, T]. Fix: pass the last block's output and params['final_norm'], "
-                         "params['unembed'] of the same model")
-    data, vocab = _check(V, x.shape[0], mesh)
+    D, V = errors.array("unembed", unembed, ndim=2, kinds="f", shape_doc="unembed[d_model, vocab]")
+    xs = errors.array("x", x, kinds="f", shape_doc="x[batch, seq, d_model]")
+    gs = errors.array("final_norm", final_norm, kinds="f", shape_doc="final_norm[d_model]")
+    ts = errors.array("targets", targets, shape_doc="targets[batch, seq]")
+    if len(xs) != 3 or xs[-1] != D or gs != (D,) or ts != xs[:2]:
+        raise ConfigError(f"x {xs}, final_norm {gs}, unembed {(D, V)}, targets {ts}: the LM head takes x[B, T, D], "
+                          "final_norm[D], unembed[D, V] and targets[B, T]. Fix: pass the last block's output and "
+                          "params['final_norm'], params['unembed'] of the same model")
+    _ids("targets", targets, V)
+    data, vocab = _split(V, xs[0], mesh, "the vocabulary-parallel LM head")
 
     def body(x, g, w, targets):                        # x: [B/dp, T, D], w: [D, V/t]
         if vocab:
@@ -162,40 +189,17 @@ def tp_loss(params: dict, tokens, *, mesh: Mesh, cfg: reference.ModelConfig):
     """reference.loss(params, tokens, cfg), tensor parallel end to end: vocab-parallel
     embedding, tp_block for each layer, vocab-parallel LM head and loss. params: the whole
     model (reference.init_params); tokens: int[B_dp, T+1] in [0, V)."""
+    if not isinstance(cfg, reference.ModelConfig):
+        raise ConfigError(f"cfg is a {type(cfg).__name__}, not a reference.ModelConfig")
+    if not isinstance(params, dict) or not {"embed", "blocks", "final_norm", "unembed"} <= set(params):
+        raise ConfigError("params must be the whole model, reference.init_params(key, cfg): a dict with embed, "
+                          "blocks, final_norm and unembed")
+    shape = errors.array("tokens", tokens, ndim=2, kinds="iu", shape_doc="tokens[batch, seq + 1] of token ids")
+    if shape[1] < 2:
+        raise ConfigError(f"tokens has shape {shape}: next-token prediction needs at least 2 positions per row "
+                          "(position t predicts token t+1)")
     x = vocab_parallel_embedding(params["embed"], tokens[:, :-1], mesh=mesh)        # [B, T, D]
     for i in range(cfg.n_layers):
-        x = tensor.tp_block(reference.layer_params(params, i), x, mesh=mesh, cfg=cfg)
+        x = tp_block(reference.layer_params(params, i), x, mesh=mesh, cfg=cfg)
     return vocab_parallel_lm_loss(x, params["final_norm"], params["unembed"], tokens[:, 1:],
                                   mesh=mesh, cfg=cfg)
-
-
-def vocab_collectives(*, batch: int, seq: int, d_model: int, vocab: int, dtype, tp: int, dp: int = 1,
-                      what: str, backward: bool = False) -> dict[str, tuple[int, int]]:
-    """{kind: (count, bytes)} of the compiled forward program (backward=False) or of the
-    backward one alone (jit of the function jax.vjp returns) of `what` = "cross_entropy",
-    "embedding" or "lm_loss" (vocab_parallel_lm_loss), as comms.nonzero reports them.
-    b = batch/dp."""
-    item = jnp.dtype(dtype).itemsize
-    b = batch // dp
-    ops: list[tuple[int, int]] = []          # (count, bytes) of all-reduces
-    if what not in ("cross_entropy", "embedding", "lm_loss"):
-        raise ValueError(f"what={what!r}: use 'cross_entropy', 'embedding' or 'lm_loss'")
-    if what in ("cross_entropy", "lm_loss") and not backward:
-        if tp > 1:
-            ops += [(1, b * seq * item), (1, 2 * b * seq * item)]   # max; sum exp + target logit
-        if dp > 1:
-            ops.append((1, item))                                   # mean of the loss over dp
-    # The cross-entropy's backward is local (softmax - onehot); the LM head's is not:
-    if what == "lm_loss" and backward:
-        if tp > 1:
-            ops.append((1, b * seq * d_model * item))               # f: dL/dz summed over tp
-        if dp > 1:
-            ops.append((1, (vocab // tp + 1) * d_model * item))     # dL/dunembed, dL/dfinal_norm over dp
-    if what == "embedding":
-        if tp > 1 and not backward:
-            ops.append((1, b * seq * d_model * item))               # g: the rows of every shard
-        if dp > 1 and backward:
-            ops.append((1, vocab // tp * d_model * item))           # dL/dembed summed over dp
-    if not ops:
-        return {}
-    return {"all-reduce": (sum(c for c, _ in ops), sum(n for _, n in ops))}

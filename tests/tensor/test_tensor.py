@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from jaxpar import reference, tensor, tensor_vocab
+from jaxpar import reference, tensor
 from jaxpar import mesh as mesh_lib
-from jaxpar.tensor_checks import block_inputs, fwd_bwd, lm_head_inputs, reference_lm_loss_and_grads, run_block
+from jaxpar.tensor import verify
+from jaxpar.tensor.verify import block_inputs, lm_head_inputs, reference_lm_loss_and_grads, run_block
+from jaxpar.testing import fwd_bwd
 from jaxpar.testing import assert_close, max_abs_diff
 
 B, T = 8, 8   # B divisible by dp up to 8, T by tp up to 8
@@ -44,7 +46,7 @@ CASES = [
 @functools.cache
 def _run(dp, tp, sp, kv, mlp):
     """One compiled step per case, shared by the tests below (compiling dominates)."""
-    return run_block(cfg_for(kv, mlp), mesh_lib.make_mesh(dp=dp, tp=tp), sequence_parallel=sp, batch=B, seq=T)
+    return run_block(cfg_for(kv, mlp), mesh_lib.make_mesh(dp=dp, tp=tp), sequence_parallel=sp, batch_size=B, seq_len=T)
 
 
 @pytest.mark.parametrize("dp,tp,sp,kv,mlp", CASES, ids=lambda v: str(v))
@@ -67,7 +69,7 @@ def test_block_lecture_formula_counts():
     act = B // 2 * T * cfg.d_model * 4     # b = local batch on dp=2
     tp_run, sp_run = _run(2, 4, False, 8, "gelu"), _run(2, 4, True, 8, "gelu")
     assert tp_run.forward == {"all-reduce": (2, 2 * act)}
-    dp_grads = tensor.block_param_bytes(cfg, jnp.float32, 4)
+    dp_grads = tensor.block_param_bytes(cfg=cfg, dtype=jnp.float32, tp=4)
     assert tp_run.backward == {"all-reduce": (3, 2 * act + dp_grads)}    # 2 TP + 1 dp all-reduce
     assert sp_run.forward == {"all-gather": (2, 2 * act), "reduce-scatter": (2, 2 * act)}
     assert sp_run.backward == {"all-gather": (2, 2 * act), "reduce-scatter": (2, 2 * act),
@@ -81,8 +83,8 @@ F64_CASES = [(8, 1, False, 8, "gelu"), (4, 2, False, 4, "swiglu"), (2, 4, True, 
 
 @pytest.mark.parametrize("dp,tp,sp,kv,mlp", F64_CASES, ids=lambda v: str(v))
 def test_block_float64(x64, dp, tp, sp, kv, mlp):
-    run = run_block(cfg_for(kv, mlp), mesh_lib.make_mesh(dp=dp, tp=tp), sequence_parallel=sp, batch=dp,
-                    seq=8, dtype=jnp.float64, collectives=False)
+    run = run_block(cfg_for(kv, mlp), mesh_lib.make_mesh(dp=dp, tp=tp), sequence_parallel=sp, batch_size=dp,
+                    seq_len=8, dtype=jnp.float64, collectives=False)
     assert run.out[0].dtype == jnp.float64
     assert_close(run.out, run.ref)
 
@@ -90,7 +92,7 @@ def test_block_float64(x64, dp, tp, sp, kv, mlp):
 def test_single_device_mesh():
     cfg = cfg_for(4, "gelu")
     m = mesh_lib.make_mesh(tp=1, devices=jax.devices()[:1])
-    run = run_block(cfg, m, sequence_parallel=True, batch=2, seq=T)
+    run = run_block(cfg, m, sequence_parallel=True, batch_size=2, seq_len=T)
     assert_close(run.out, run.ref)
     assert run.forward == run.backward == {}
 
@@ -110,7 +112,7 @@ def test_shardings_of_outputs_and_grads(case):
 def test_param_bytes_per_device_are_one_tth():
     cfg = cfg_for(8, "swiglu")
     p, _, _ = block_inputs(cfg, 2, T)
-    full = tensor.block_param_bytes(cfg, jnp.float32, 1)
+    full = tensor.block_param_bytes(cfg=cfg, dtype=jnp.float32, tp=1)
     assert full == sum(a.nbytes for a in p.values())
     norms = 2 * cfg.d_model * 4
     for t in (2, 4, 8):
@@ -118,7 +120,7 @@ def test_param_bytes_per_device_are_one_tth():
         specs = tensor.TPSpecs.megatron(n_kv_heads=8, tp=t).params(p)
         placed = {k: jax.device_put(a, NamedSharding(m, specs[k])) for k, a in p.items()}
         per_device = sum(a.addressable_shards[0].data.nbytes for a in placed.values())
-        assert per_device == tensor.block_param_bytes(cfg, jnp.float32, t) == (full - norms) // t + norms
+        assert per_device == tensor.block_param_bytes(cfg=cfg, dtype=jnp.float32, tp=t) == (full - norms) // t + norms
 
 
 def test_counterexample_row_split_gelu_is_wrong():
@@ -144,19 +146,19 @@ def _logits(batch, vocab, dtype=jnp.float32, seed=2):
 def test_vocab_parallel_cross_entropy(dp, tp):
     m = mesh_lib.make_mesh(dp=dp, tp=tp)
     logits, targets = _logits(8, 64)
-    (loss, (dlogits,)), stats = fwd_bwd(lambda l: tensor_vocab.vocab_parallel_cross_entropy(l, targets, mesh=m),
+    (loss, (dlogits,)), stats = fwd_bwd(lambda l: tensor.vocab_parallel_cross_entropy(l, targets, mesh=m),
                                         logits, ct=jnp.float32(1.0))
     assert_close((loss, dlogits), jax.value_and_grad(lambda l: reference.cross_entropy(l, targets))(logits))
     # Only [B/dp, T] statistics cross the wire (no all-gather: the logits are never gathered).
-    assert stats == tuple(tensor_vocab.vocab_collectives(
-        batch=8, seq=T, d_model=0, vocab=64, dtype=jnp.float32, tp=tp, dp=dp, what="cross_entropy",
+    assert stats == tuple(tensor.cross_entropy_collectives(
+        cfg=reference.ModelConfig(vocab=64), batch_size=8, seq_len=T, dtype=jnp.float32, tp=tp, dp=dp,
         backward=b) for b in (False, True))
 
 
 def test_vocab_parallel_cross_entropy_float64(x64):
     m = mesh_lib.make_mesh(dp=2, tp=4)
     logits, targets = _logits(4, 64, jnp.float64, seed=4)
-    ours = jax.jit(jax.value_and_grad(lambda l: tensor_vocab.vocab_parallel_cross_entropy(l, targets, mesh=m)))
+    ours = jax.jit(jax.value_and_grad(lambda l: tensor.vocab_parallel_cross_entropy(l, targets, mesh=m)))
     assert_close(ours(logits), jax.value_and_grad(lambda l: reference.cross_entropy(l, targets))(logits))
 
 
@@ -165,18 +167,17 @@ def test_vocab_parallel_cross_entropy_float64(x64):
 def test_vocab_parallel_lm_loss(dp, tp, dtype):
     """LM head + loss: loss and the gradients of x, final_norm, unembed vs the unsharded
     rms_norm -> @ unembed -> cross_entropy; the forward's and the backward's collectives
-    exactly vocab_collectives(what="lm_loss")."""
+    exactly lm_loss_collectives."""
     with jax.enable_x64(dtype == jnp.float64):
         m = mesh_lib.make_mesh(dp=dp, tp=tp)
         cfg = reference.ModelConfig(vocab=64)
         x, gain, unembed, targets = lm_head_inputs(8, T, cfg.d_model, 64, dtype)
-        out, stats = fwd_bwd(lambda *a: tensor_vocab.vocab_parallel_lm_loss(*a, targets, mesh=m, cfg=cfg),
+        out, stats = fwd_bwd(lambda *a: tensor.vocab_parallel_lm_loss(*a, targets, mesh=m, cfg=cfg),
                              x, gain, unembed, ct=jnp.ones((), dtype))
         assert out[0].dtype == dtype
         assert_close(out, reference_lm_loss_and_grads(x, gain, unembed, targets))
-        assert stats == tuple(tensor_vocab.vocab_collectives(
-            batch=8, seq=T, d_model=cfg.d_model, vocab=64, dtype=dtype, tp=tp, dp=dp, what="lm_loss",
-            backward=b) for b in (False, True))
+        assert stats == tuple(tensor.lm_loss_collectives(
+            cfg=cfg, batch_size=8, seq_len=T, dtype=dtype, tp=tp, dp=dp, backward=b) for b in (False, True))
 
 
 def test_tp_loss_end_to_end_matches_reference_loss():
@@ -188,7 +189,7 @@ def test_tp_loss_end_to_end_matches_reference_loss():
     params = reference.init_params(jax.random.PRNGKey(7), cfg)
     params["final_norm"] = 1 + 0.1 * jax.random.normal(jax.random.PRNGKey(8), (cfg.d_model,))
     tokens = jax.random.randint(jax.random.PRNGKey(9), (4, T + 1), 0, cfg.vocab)
-    ours = jax.jit(jax.value_and_grad(lambda p: tensor_vocab.tp_loss(p, tokens, mesh=m, cfg=cfg)))(params)
+    ours = jax.jit(jax.value_and_grad(lambda p: tensor.tp_loss(p, tokens, mesh=m, cfg=cfg)))(params)
     assert_close(ours, jax.jit(jax.value_and_grad(lambda p: reference.loss(p, tokens, cfg)))(params))
 
 
@@ -200,11 +201,11 @@ def test_vocab_parallel_embedding(dp, tp):
     embed = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
     ct = jnp.asarray(rng.standard_normal((8, T, 16)), jnp.float32)
 
-    (y, (dembed,)), stats = fwd_bwd(lambda e: tensor_vocab.vocab_parallel_embedding(e, tokens, mesh=m), embed, ct=ct)
+    (y, (dembed,)), stats = fwd_bwd(lambda e: tensor.vocab_parallel_embedding(e, tokens, mesh=m), embed, ct=ct)
     y_ref, vjp = jax.vjp(lambda e: e[tokens], embed)
     assert_close((y, dembed), (y_ref, vjp(ct)[0]))
-    assert stats == tuple(tensor_vocab.vocab_collectives(
-        batch=8, seq=T, d_model=16, vocab=64, dtype=jnp.float32, tp=tp, dp=dp, what="embedding",
+    assert stats == tuple(tensor.embedding_collectives(
+        cfg=reference.ModelConfig(vocab=64, d_model=16), batch_size=8, seq_len=T, dtype=jnp.float32, tp=tp, dp=dp,
         backward=b) for b in (False, True))
 
 
@@ -249,21 +250,22 @@ def test_bad_block_inputs_raise_before_compute(change, match):
 def test_bad_vocab_raises():
     m = mesh_lib.make_mesh(tp=8)
     with pytest.raises(ValueError, match=r"batch B=3 is not divisible by dp=2.*Fix"):
-        tensor_vocab.vocab_parallel_cross_entropy(jnp.zeros((3, 2, 64)), jnp.zeros((3, 2), int),
+        tensor.vocab_parallel_cross_entropy(jnp.zeros((3, 2, 64)), jnp.zeros((3, 2), int),
                                                   mesh=mesh_lib.make_mesh(dp=2, tp=4))
     with pytest.raises(ValueError, match=r"vocab V=60 is not divisible by tp=8.*Fix"):
-        tensor_vocab.vocab_parallel_cross_entropy(jnp.zeros((1, 2, 60)), jnp.zeros((1, 2), int), mesh=m)
+        tensor.vocab_parallel_cross_entropy(jnp.zeros((1, 2, 60)), jnp.zeros((1, 2), int), mesh=m)
     with pytest.raises(ValueError, match=r"vocab V=60 is not divisible by tp=8"):
-        tensor_vocab.vocab_parallel_embedding(jnp.zeros((60, 4)), jnp.zeros((1, 2), int), mesh=m)
+        tensor.vocab_parallel_embedding(jnp.zeros((60, 4)), jnp.zeros((1, 2), int), mesh=m)
     with pytest.raises(ValueError, match=r"x \(2, 3\), final_norm \(32,\), unembed \(32, 64\).*Fix"):
-        tensor_vocab.vocab_parallel_lm_loss(jnp.zeros((2, 3)), jnp.ones(32), jnp.zeros((32, 64)),
+        tensor.vocab_parallel_lm_loss(jnp.zeros((2, 3)), jnp.ones(32), jnp.zeros((32, 64)),
                                             jnp.zeros((2, 3), int), mesh=m, cfg=reference.ModelConfig())
 
 
 def test_tour_checks_of_tp_and_sp_are_ok():
-    rows = tensor.tour_check_tp() + tensor.tour_check_sp()
-    assert [r.technique for r in rows if not r.ok] == [], rows
-    assert "LM head" in rows[2].technique and "= formula" in rows[2].collectives
+    rows = verify.check_tp() + verify.check_sp()
+    assert [r.name for r in rows if not r.passed] == [], rows
+    assert "LM head" in rows[2].name and rows[2].collectives_match
+    assert rows[0].collectives_match and rows[3].collectives_match and rows[0].tolerance == (2e-5, 2e-6)
 
 
 def test_verify_sp_on_6_devices():

@@ -12,17 +12,23 @@ Time is in ticks of one action, peaks in live microbatches; interleaved and dual
 each action on one chunk, 1/v of a stage, so there ticks and peaks are chunk-sized and
 `--all` also gives them divided by v (stage units) to compare with the others.
 
-Pure Python: no JAX start-up; matplotlib only for --png.
+Pure Python: no JAX start-up; matplotlib only for --png. The library speaks Python
+(`microbatches=7`); FLAGS gives main the flags to say it in (`-m 7`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import textwrap
 
-from jaxpar.pipeline import schedule, schedule_viz
+from jaxpar import errors
+from jaxpar.cli.main import translate
+from jaxpar.errors import ConfigError
+from jaxpar.pipeline import orders, plan, schedule, viz
 
+FLAGS = {"stages": "-p", "microbatches": "-m", "chunks": "-v", "costs": "--costs"}
 HELP = "pipeline schedules as data: timelines, bubble, peak activations (lecture section 2)"
 COSTS_HELP = (
     "ticks per action kind, per chunk for interleaved and dualpipe-v (default F=1,B=2). "
@@ -33,7 +39,7 @@ COSTS_HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("name", nargs="?", metavar="NAME", help=f"one of: {', '.join(schedule.KNOWN)}")
+    parser.add_argument("name", nargs="?", metavar="NAME", help=f"one of: {', '.join(orders.REGISTRY)}")
     parser.add_argument("-p", "--stages", type=int, default=4, help="pipeline stages (devices) p (default 4)")
     parser.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches m (default 8)")
     parser.add_argument("-v", "--chunks", type=int, default=None,
@@ -58,20 +64,21 @@ def parse_costs(text: str | None) -> dict[str, int] | None:
         try:
             costs[kind.strip().upper()] = int(value)
         except ValueError:
-            raise ValueError(f"--costs {text!r}: write kind=ticks pairs, e.g. --costs F=1,B=2") from None
+            raise ConfigError(f"--costs {text!r}: write kind=ticks pairs, e.g. --costs F=1,B=2") from None
     return costs
 
 
 def compare(p: int, m: int, v: int | None, costs: dict[str, int] | None) -> list[dict]:
     """One summary per known schedule (or the reason it cannot run for this p, m)."""
+    schedule.check_sizes(p, m, 1 if v is None else v)   # sizes every schedule needs: refused once, here
     out = []
-    for name in schedule.KNOWN:
+    for name, kind in orders.REGISTRY.items():
         chunks = v if name == "interleaved" else None
-        own = {k: c for k, c in (costs or {}).items() if k != "W" or name in schedule.SPLIT}
+        own = {k: c for k, c in (costs or {}).items() if k != "W" or kind.split_backward}
         try:
             s = schedule.make(name, p, m, chunks, own)
-        except ValueError as e:
-            out.append({"name": name, "error": str(e)})
+        except ConfigError as e:
+            out.append({"name": name, "error": e})
             continue
         d = s.to_dict()
         out.append({k: d[k] for k in ("name", "chunks", "costs", "units", "total_time", "stage_time",
@@ -82,7 +89,7 @@ def compare(p: int, m: int, v: int | None, costs: dict[str, int] | None) -> list
 
 
 def format_comparison(p: int, m: int, rows: list[dict]) -> str:
-    costs = {r["name"] in schedule.SPLIT: r["costs"] for r in rows if "error" not in r}
+    costs = {orders.REGISTRY[r["name"]].split_backward: r["costs"] for r in rows if "error" not in r}
     said = {False: "ticks per action ", True: "split backward (B = input gradient only) "}
     lines = [f"p={p}, m={m}; " + "; ".join(said[split] + ", ".join(f"{k}={c}" for k, c in ks.items())
                                            for split, ks in sorted(costs.items())),
@@ -92,29 +99,48 @@ def format_comparison(p: int, m: int, rows: list[dict]) -> str:
              f"{'peak/v':>6}  peak live per device / in flight until W"]
     for r in rows:
         if "error" in r:
-            lines.append(f"  {r['name']:<16} cannot run: {r['error']}")
+            lines.append(f"  {r['name']:<16} cannot run: {translate(str(r['error']), FLAGS).splitlines()[0]}")
             continue
         name = r["name"] + (f" v={r['chunks']}" if r["chunks"] > 1 else "")
         peaks = str(r["peak_activations"])
         if r["peak_in_flight"] != r["peak_activations"]:
             peaks += f" / {r['peak_in_flight']}"
         peaks += " microbatch-chunks" if r["chunks"] > 1 else ""
-        lines.append(f"  {name:<16} {schedule_viz.percent(r['bubble_fraction']):>7} "
-                     f"{schedule_viz.percent(r['steady_bubble_fraction']):>9} {r['total_time']:>5} "
+        lines.append(f"  {name:<16} {viz.percent(r['bubble_fraction']):>7} "
+                     f"{viz.percent(r['steady_bubble_fraction']):>9} {r['total_time']:>5} "
                      f"{r['stage_time']:>6g} {r['sends']:>5} {r['peak_stage_equivalent']:>6g}  {peaks}")
     return "\n".join(lines)
 
 
+def writable(path: str | None, what: str) -> None:
+    """Refuse, before building anything, a path whose folder does not exist or cannot be written."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{what} {path!r}: folder {folder!r} does not exist; create it or write elsewhere")
+    if not os.access(folder, os.W_OK) or os.path.isdir(path):
+        raise ConfigError(f"{what} {path!r}: cannot write there; choose another path")
+
+
 def main(args) -> int:
     costs = parse_costs(args.costs)
+    writable(args.png, "--png")
+    writable(args.trace, "--trace")
     if args.all:
         if args.png or args.trace:
-            raise ValueError("--png and --trace draw one schedule: give its NAME instead of --all")
+            raise ConfigError("--png and --trace draw one schedule: give its NAME instead of --all")
+        if args.chunks is not None:
+            errors.whole("chunks", args.chunks, maximum=schedule.MAX_CHUNKS)
         rows = compare(args.stages, args.microbatches, args.chunks, costs)
-        print(json.dumps(rows, indent=2) if args.json else format_comparison(args.stages, args.microbatches, rows))
+        if args.json:
+            print(json.dumps([r if "error" not in r else {"name": r["name"], "error": str(r["error"])}
+                              for r in rows], indent=2))
+        else:
+            print(format_comparison(args.stages, args.microbatches, rows))
         return 0
     if args.name is None:
-        raise ValueError(f"give a schedule NAME ({', '.join(schedule.KNOWN)}) or --all")
+        raise ConfigError(f"give a schedule NAME ({', '.join(orders.REGISTRY)}) or --all")
     s = schedule.make(args.name, args.stages, args.microbatches, args.chunks, costs)
     if args.png:
         s.save_png(args.png)
@@ -127,9 +153,8 @@ def main(args) -> int:
     print(s.ascii())
     print(f"\nsends between devices: {len(s.sends)}")
     if args.steps:
-        from jaxpar.pipeline import runtime_plan  # numpy only: still no JAX start-up
-        print("\n" + runtime_plan.ascii_steps(runtime_plan.plan(s)))
-    print(textwrap.fill(schedule_viz.LEGEND, 100, initial_indent="legend: ", subsequent_indent="  "))
+        print("\n" + plan.ascii_steps(plan.plan(s)))
+    print(textwrap.fill(viz.LEGEND, 100, initial_indent="legend: ", subsequent_indent="  "))
     for path, what in ((args.png, "timeline figure"), (args.trace, "Chrome trace (ui.perfetto.dev)")):
         if path:
             print(f"wrote {what}: {path}")

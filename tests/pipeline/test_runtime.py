@@ -2,7 +2,7 @@
 the schedule it executes.
 
 * every schedule of schedule.KNOWN, p in {2, 4}, m in {1, 4, 8} (and 16 for interleaved):
-  loss, input gradient and every parameter gradient equal stages.unsharded's (float32;
+  loss, input gradient and every parameter gradient equal stage.unsharded's (float32;
   float64 for one case per schedule), and the combinations schedule.make rejects raise;
 * dp x pp meshes (gradients all-reduced over dp), recompute=True, reference transformer
   blocks as stages;
@@ -28,8 +28,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxpar import comms
+from jaxpar.errors import ConfigError
 from jaxpar import mesh as mesh_lib
-from jaxpar.pipeline import runtime, runtime_checks, runtime_plan, schedule, stages
+from jaxpar.pipeline import baseline, formulas, runtime, schedule, stage
+from jaxpar.pipeline import plan as runtime_plan
+from jaxpar.pipeline import verify as runtime_checks
 from jaxpar.testing import assert_close, tolerance
 
 F32_RELATIVE = 1e-5      # the issue's "about 1e-5 relative" (runtime_checks.row uses it too)
@@ -49,9 +52,9 @@ def rejection(name: str, p: int, m: int) -> str | None:
     if name == "interleaved" and m % p:
         return "multiple of stages"
     if name in ("zb-h1", "zb-h2") and m < p:
-        return rf"needs microbatches >= stages: m={m} < p={p}"
+        return rf"needs microbatches >= stages: microbatches={m} < stages={p}"
     if name == "dualpipe-v" and m < 2 * p - 1:
-        return rf"needs microbatches >= 2\*stages - 1.*m={m} < {2 * p - 1}"
+        return rf"needs microbatches >= 2\*stages - 1.*microbatches={m} < {2 * p - 1}"
     return None
 
 
@@ -213,7 +216,7 @@ def test_plain_stage_function_keeps_its_own_residuals():
     s = schedule.make("zb-h1", stages=2, microbatches=2)
     _, params, batch = runtime_checks.model("mlp", 2 * s.virtual_stages, ROWS_PER_MB * 2)
     loss, grads = runtime.run(s, stage_fn, params, batch, mesh=pp_mesh(2), bubble_fill=math.nan)
-    ref_loss, ref = stages.unsharded(stage_fn, params, batch)
+    ref_loss, ref = stage.unsharded(stage_fn, params, batch)
     assert_close((loss, grads.params, grads.inputs), (ref_loss, ref.params, ref.inputs))
 
 
@@ -241,7 +244,7 @@ def test_run_with_nan_bubbles_equals_zero_bubbles_exactly(name, p, m):
     with_zero = runtime.run(s, stage_fn, params, batch, mesh=mm, bubble_fill=0.0)
     assert_equal_trees(with_nan, with_zero)
     loss, grads = with_nan
-    ref_loss, ref = stages.unsharded(stage_fn, params, batch)
+    ref_loss, ref = stage.unsharded(stage_fn, params, batch)
     assert_close((loss, grads.params, grads.inputs), (ref_loss, ref.params, ref.inputs))
 
 
@@ -251,16 +254,18 @@ def test_gpipe_baseline_nan_bubbles_and_collectives(p, m):
     2(m+p-1) collective-permutes; NaN bubbles give bit-identical results."""
     s, stage_fn, params, batch = _mlp_case("gpipe", p, m)
     mm = pp_mesh(p)
-    pipes = {fill: runtime.gpipe_baseline(stage_fn, params, batch, mesh=mm, microbatches=m, bubble_fill=fill)
+    pipes = {fill: baseline.gpipe_baseline(stage_fn, params, batch, mesh=mm, microbatches=m, bubble_fill=fill)
              for fill in (math.nan, 0.0)}
     pipe = pipes[math.nan]
     assert pipe.schedule.stages == p and pipe.schedule.microbatches == m
     stats = comms.nonzero(comms.collective_stats(pipe.step, runtime.to_stages(params, pipe.schedule), *batch))
     n = 2 * (m + p - 1)
     assert stats == {"collective-permute": (n, n * act_bytes())}
+    assert stats == formulas.baseline_collectives(stages=p, microbatches=m, batch_size=batch[0].shape[0],
+                                                  features=WIDTH, dtype=jnp.float32)
     with_nan, with_zero = (runtime.run_pipeline(pipes[f], params, batch) for f in (math.nan, 0.0))
     assert_equal_trees(with_nan, with_zero)
-    ref_loss, ref = stages.unsharded(stage_fn, params, batch)
+    ref_loss, ref = stage.unsharded(stage_fn, params, batch)
     assert_close((with_nan[0], with_nan[1].params, with_nan[1].inputs), (ref_loss, ref.params, ref.inputs))
 
 
@@ -289,7 +294,8 @@ def test_plan_carries_every_send_in_peak_residual_slots(name):
                    for j in range(plan.steps) for d in range(p) for f in ("f_branch", "b_branch"))
         assert runs == sum(len(s.program(d)) for d in range(p)), (name, p, m)
         if p == 1:
-            assert plan.permutes == 0 and plan.expected_collectives(4) == {}
+            assert plan.permutes == 0
+            assert formulas.pipeline_collectives(schedule=s, batch_size=2 * m, features=WIDTH, dtype=jnp.float32) == {}
 
 
 def test_plan_counts_by_hand():
@@ -349,7 +355,7 @@ def test_schedule_for_another_p(no_compile):
 def test_mesh_with_tp_axis(no_compile):
     with pytest.raises(ValueError, match=r"\{'tp': 2\}"):
         _bad_run(p=2, mesh=pp_mesh(2, tp=2))
-    with pytest.raises(ValueError, match=r"no 'pp' axis"):
+    with pytest.raises(ValueError, match=r"needs a mesh with a 'pp' axis; got axes \{'dp': 2\}"):
         _bad_run(p=2, mesh=mesh_lib.make_mesh(dp=2, devices=jax.devices()[:2]))
 
 
@@ -365,12 +371,38 @@ def test_targets_with_another_row_count(no_compile):
         _bad_run(p=2, m=4, target_rows=6)
 
 
+def test_more_bad_input_is_refused_before_compiling(no_compile):
+    s = schedule.make("1f1b", stages=2, microbatches=4)
+    fn, params, (inputs, targets) = runtime_checks.model("mlp", 4, 8)
+    run = lambda **kw: runtime.run(kw.pop("s", s), kw.pop("fn", fn), kw.pop("params", params),
+                                   kw.pop("batch", (inputs, targets)), mesh=pp_mesh(2), **kw)
+    cases = [
+        (dict(batch=(inputs[:0], targets[:0])), r"inputs has shape \(0, 32\), with an empty axis"),
+        (dict(params={"w": params["w"][:0], "b": params["b"][:0]}), r"0 layers do not split"),
+        (dict(params={}), r"params has no arrays"),
+        (dict(params={"w": [[1.0]]}), r"a params leaf is a float, not an array"),
+        (dict(batch=inputs), r"batch is a ArrayImpl.*give the pair \(inputs"),
+        (dict(batch=(inputs, targets, targets)), r"batch is a tuple of 3.*give the pair"),
+        (dict(batch=(inputs.astype(jnp.int32), targets)), r"inputs has dtype int32.*floating point"),
+        (dict(loss_fn=lambda y, t: (y - t) ** 2), r"loss_fn\(y, targets\) gives \(2, 32\) float32: it must be a "
+                                                  r"floating scalar"),
+        (dict(loss_fn="mse"), r"loss_fn='mse' is not callable"),
+        (dict(fn=None), r"stage_fn=None is not callable"),
+        (dict(s="1f1b"), r"schedule is a str, not a Schedule.*schedule.make"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            run(**kw)
+    with pytest.raises(ConfigError, match=r"mesh=.* is a str, not a jax.sharding.Mesh"):
+        runtime.run(s, fn, params, (inputs, targets), mesh="pp=2")
+
+
 def test_gpipe_baseline_rejects_bad_input_too(no_compile):
     stage_fn, params, batch = runtime_checks.model("mlp", 6, 8)
     with pytest.raises(ValueError, match=r"6 layers do not split into p\*v = 4\*1 = 4 stages"):
-        runtime.gpipe_baseline(stage_fn, params, batch, mesh=pp_mesh(4), microbatches=4)
+        baseline.gpipe_baseline(stage_fn, params, batch, mesh=pp_mesh(4), microbatches=4)
     with pytest.raises(ValueError, match=r"batch of 8 rows does not split into dp=1 x microbatches=3"):
-        runtime.gpipe_baseline(stage_fn, params, batch, mesh=pp_mesh(2), microbatches=3)
+        baseline.gpipe_baseline(stage_fn, params, batch, mesh=pp_mesh(2), microbatches=3)
 
 
 # ---- to_stages / from_stages -------------------------------------------------------------

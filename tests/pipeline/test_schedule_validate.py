@@ -7,9 +7,10 @@ import re
 
 import pytest
 
-from jaxpar import cli
+from jaxpar.cli.main import main
+from jaxpar.errors import ConfigError
 from jaxpar.pipeline import schedule as S
-from jaxpar.pipeline.schedule_lecture import tour_check
+from jaxpar.pipeline.verify import check_schedules
 from jaxpar.pipeline.schedule import Action as A
 
 
@@ -120,11 +121,14 @@ def test_rows_must_have_one_entry_per_device():
 
 
 @pytest.mark.parametrize("p, m, v, message", [
-    (0, 1, 1, "stages p=0: need at least 1 (-p 1 or more)"),
-    (1, 0, 1, "microbatches m=0: need at least 1 (-m 1 or more)"),
-    (1, 1, 0, "chunks v=0: need at least 1 (-v 1 or more)"),
-    (True, 1, 1, "stages p=True is a bool, not a whole number: give one >= 1, e.g. stages=4"),
-    (1, 2.0, 1, "microbatches m=2.0 is a float, not a whole number"),
+    (0, 1, 1, "stages=0: need at least 1; use stages=1 or more"),
+    (1, 0, 1, "microbatches=0: need at least 1; use microbatches=1 or more"),
+    (1, 1, 0, "chunks=0: need at least 1; use chunks=1 or more"),
+    (True, 1, 1, "stages=True is a bool, not a whole number: give an int >= 1, e.g. stages=4"),
+    (1, 2.0, 1, "microbatches=2.0 is a float, not a whole number"),
+    (2000, 1, 1, "stages=2000 is more than 1,024, larger than any machine runs"),
+    (1, 1 << 20, 1, "microbatches=1048576 is more than 65,536"),
+    (512, 60000, 1, "stages=512 x microbatches=60000 x chunks=1 is 92,160,000 actions"),
 ])
 def test_sizes_are_whole_numbers_at_least_one(p, m, v, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -154,25 +158,26 @@ def test_costs_cover_the_kinds(costs):
 
 
 @pytest.mark.parametrize("args, value, fix", [
-    (("gpipe", 0, 4), "p=0", "-p 1 or more"),
-    (("1f1b", 4, 0), "m=0", "-m 1 or more"),
-    (("interleaved", 4, 6, 2), "m=6, p=4", "nearest valid m: 4 or 8"),
-    (("interleaved", 4, 9, 2), "m=9, p=4", "nearest valid m: 8"),
-    (("interleaved", 4, 2, 2), "m=2, p=4", "nearest valid m: 4"),
-    (("interleaved", 4, 8, 1), "v=1", "use -v 2 or more"),
-    (("1f1b", 4, 8, 2), "v=2", "drop -v for 1f1b"),
-    (("zb-h1", 4, 3), "m=3 < p=4", "use -m 4 or more"),
-    (("zb-h2", 8, 7), "m=7 < p=8", "use -m 8 or more"),
+    (("gpipe", 0, 4), "stages=0", "stages=1 or more"),
+    (("1f1b", 4, 0), "microbatches=0", "microbatches=1 or more"),
+    (("interleaved", 4, 6, 2), "microbatches=6, stages=4", "nearest valid microbatches=4 or 8"),
+    (("interleaved", 4, 9, 2), "microbatches=9, stages=4", "nearest valid microbatches=8"),
+    (("interleaved", 4, 2, 2), "microbatches=2, stages=4", "nearest valid microbatches=4"),
+    (("interleaved", 4, 8, 1), "chunks=1", "use chunks=2 or more"),
+    (("1f1b", 4, 8, 2), "chunks=2", "drop chunks for 1f1b"),
+    (("zb-h1", 4, 3), "microbatches=3 < stages=4", "use microbatches=4 or more"),
+    (("zb-h2", 8, 7), "microbatches=7 < stages=8", "use microbatches=8 or more"),
     (("dualpipe", 4, 8), "'dualpipe'", "known: naive, gpipe, 1f1b, interleaved, zb-h1, zb-h2, dualpipe-v"),
-    (("1f1b", True, 8), "p=True is a bool", "e.g. stages=4 (-p 4)"),
-    (("1f1b", 4.0, 8), "p=4.0 is a float", "e.g. stages=4 (-p 4)"),
-    (("gpipe", "4", 8), "p='4' is a str", "e.g. stages=4 (-p 4)"),
-    (("1f1b", 4, 8.0), "m=8.0 is a float", "e.g. microbatches=4 (-m 4)"),
-    (("interleaved", 4, 8, True), "v=True is a bool", "e.g. chunks=4 (-v 4)"),
+    (("1f1b", True, 8), "stages=True is a bool", "e.g. stages=4"),
+    (("1f1b", 4.0, 8), "stages=4.0 is a float", "e.g. stages=4"),
+    (("gpipe", "4", 8), "stages='4' is a str", "e.g. stages=4"),
+    (("1f1b", 4, 8.0), "microbatches=8.0 is a float", "e.g. microbatches=4"),
+    (("interleaved", 4, 8, True), "chunks=True is a bool", "e.g. chunks=4"),
+    (("1f1b", 4, 8, None, [1, 2]), "costs=[1, 2] is a list, not a mapping", "e.g. costs={'F': 1, 'B': 2}"),
 ])
 def test_bad_input(args, value, fix):
-    # the message names the offending value, then how to fix it
-    with pytest.raises(ValueError, match=re.escape(value) + ".*" + re.escape(fix)):
+    # the message names the offending value, then how to fix it, in Python's words
+    with pytest.raises(ConfigError, match=re.escape(value) + ".*" + re.escape(fix)):
         S.make(*args)
 
 
@@ -189,35 +194,35 @@ def test_bad_costs():
 
 
 def test_cli_timeline(capsys):
-    assert cli.main(["schedule", "1f1b", "-p", "4", "-m", "8"]) == 0
+    assert main(["schedule", "1f1b", "-p", "4", "-m", "8"]) == 0
     out = capsys.readouterr().out
     assert "bubble 27.3%" in out and "  stage 3: ...0aa1bb2cc3dd4ee5ff6gg7hh......" in out
 
 
 def test_cli_errors_without_traceback(capsys):
-    assert cli.main(["schedule", "interleaved", "-p", "4", "-m", "6"]) == 2
+    assert main(["schedule", "interleaved", "-p", "4", "-m", "6"]) == 2
     err = capsys.readouterr().err
-    assert "nearest valid m" in err and "Traceback" not in err
-    assert cli.main(["schedule", "nope"]) == 2
+    assert "nearest valid -m 4 or 8" in err and "-m 6, -p 4" in err and "Traceback" not in err
+    assert main(["schedule", "nope"]) == 2
     assert "known: naive" in capsys.readouterr().err
-    assert cli.main(["schedule", "gpipe", "--costs", "F1"]) == 2
+    assert main(["schedule", "gpipe", "--costs", "F1"]) == 2
 
 
 def test_cli_all_and_outputs(capsys, tmp_path):
-    assert cli.main(["schedule", "--all", "-p", "8", "-m", "64"]) == 0
+    assert main(["schedule", "--all", "-p", "8", "-m", "64"]) == 0
     out = capsys.readouterr().out
     assert "[64, 64, 64, 64, 64, 64, 64, 64]" in out and "[8, 7, 6, 5, 4, 3, 2, 1]" in out
     png, trace = tmp_path / "t.png", tmp_path / "t.json"
-    assert cli.main(["schedule", "zb-h1", "--costs", "F=1,B=1,W=1", "--png", str(png), "--trace", str(trace)]) == 0
+    assert main(["schedule", "zb-h1", "--costs", "F=1,B=1,W=1", "--png", str(png), "--trace", str(trace)]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG" and b"traceEvents" in trace.read_bytes()
-    assert cli.main(["schedule", "gpipe", "-p", "2", "-m", "2", "--json"]) == 0
+    assert main(["schedule", "gpipe", "-p", "2", "-m", "2", "--json"]) == 0
     assert '"total_time": 9' in capsys.readouterr().out
 
 
 def test_cli_all_states_its_units(capsys):
     # chunked schedules count chunk-sized ticks and activations; time/v and peak/v put every
     # row in stage units (p=8, m=64: interleaved 405 ticks = 202.5 stage ticks, 23 chunks = 11.5)
-    assert cli.main(["schedule", "--all", "-p", "8", "-m", "64"]) == 0
+    assert main(["schedule", "--all", "-p", "8", "-m", "64"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "F=1, B=2" in out[0] and "split backward (B = input gradient only) F=1, B=1, W=1" in out[0]
     assert "time/v" in out[3] and "peak/v" in out[3]
@@ -226,7 +231,7 @@ def test_cli_all_states_its_units(capsys):
     assert row["interleaved"].endswith("microbatch-chunks") and row["dualpipe-v"].endswith("microbatch-chunks")
     assert row["dualpipe-v"].split()[4:8] == ["391", "195.5", "1792", "8"]
     assert row["1f1b"].split()[3:7] == ["213", "213", "896", "8"] and "chunks" not in row["1f1b"]
-    assert cli.main(["schedule", "--all", "-p", "4", "-m", "8", "--json"]) == 0
+    assert main(["schedule", "--all", "-p", "4", "-m", "8", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["interleaved"]["units"]["peaks"].startswith("microbatch-chunks")
     assert rows["interleaved"]["stage_time"] == rows["interleaved"]["total_time"] / 2
@@ -235,12 +240,12 @@ def test_cli_all_states_its_units(capsys):
 
 def test_cli_costs_help_says_what_b_and_w_are(capsys):
     with pytest.raises(SystemExit):
-        cli.main(["schedule", "--help"])
+        main(["schedule", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "B is the input gradient only" in help_text and "F=1,B=2 means B=2 plus W=1" in help_text
     assert "Qi et al.'s handcrafted orders, designed for F=B=W" in help_text
 
 
 def test_tour_rows_all_ok():
-    rows = tour_check()
-    assert len(rows) >= 7 and all(r.ok for r in rows), [r for r in rows if not r.ok]
+    rows = check_schedules()
+    assert len(rows) >= 7 and all(r.passed for r in rows), [r for r in rows if not r.passed]

@@ -14,12 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxpar.pipeline import schedule as S
-from jaxpar.pipeline.schedule_lecture import LECTURE_TIMELINES, interleaved_bubble
-from jaxpar.pipeline.schedule_viz import percent
+from jaxpar.pipeline.formulas import interleaved_bubble
+from jaxpar.pipeline.verify import LECTURE_TIMELINES
+from jaxpar.pipeline.viz import percent
 
 # The lecture text sits in shared/ beside the repository (a CI clone has a copy there too).
 SEED_NAME = "seed/000_c4f408be80accaec.txt"
-SEED = next((d / SEED_NAME for d in (pathlib.Path(__file__).resolve().parents[2] / "shared",
+SEED = next((d / SEED_NAME for d in (pathlib.Path(__file__).resolve().parents[3] / "shared",
                                      pathlib.Path("/work/shared")) if (d / SEED_NAME).exists()), None)
 
 # Sections 2.1-2.3 of the lecture, copied verbatim (figure title and rows), so that the check

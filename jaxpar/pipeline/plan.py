@@ -82,10 +82,6 @@ class Plan:
         in which at least one device sends."""
         return sum((stop - start) * len(sends) for start, stop, sends in self.segments)
 
-    def expected_collectives(self, activation_bytes: int) -> dict[str, tuple[int, int]]:
-        """{kind: (count, bytes)} the compiled step must show over `pp`, `activation_bytes`
-        being one microbatch's activation on one device (comms.nonzero form)."""
-        return {"collective-permute": (self.permutes, self.permutes * activation_bytes)} if self.permutes else {}
 
 
 def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:

@@ -10,8 +10,11 @@ import string
 import textwrap
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from jaxpar.pipeline.schedule import Action, Schedule
+from jaxpar.pipeline import orders
+from jaxpar.pipeline.orders import Action
+
+if TYPE_CHECKING:  # the Schedule is passed in, never built here
+    from jaxpar.pipeline.schedule import Schedule
 
 LEGEND = (
     "one character per tick; digit i = forward of microbatch i (mod 10); a, b, c, ... = "
@@ -20,8 +23,11 @@ LEGEND = (
     "(invalid). Interleaved and DualPipe-V: one row per device, and under it the chunk of each "
     "busy tick (DualPipe-V: chunk 0 is stage d, chunk 1 stage 2p-1-d)."
 )
-DISPLAY = {"naive": "naive", "gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B",
-           "zb-h1": "ZB-H1", "zb-h2": "ZB-H2", "dualpipe-v": "DualPipe-V"}
+
+
+def label(name: str) -> str:
+    """The schedule's display name ("1F1B"), from the registry; a hand-built table's own name."""
+    return orders.REGISTRY[name].label if name in orders.REGISTRY else name
 
 
 def char(a: Action) -> str:
@@ -62,7 +68,7 @@ def header(s: Schedule) -> str:
     word, _ = _label(s)
     dims = (f"p={s.stages}, m={s.microbatches}" + (f", v={s.chunks}" if s.chunks > 1 else "")
             + (" in a V" if s.layout == "v" else ""))
-    out = (f"{DISPLAY.get(s.name, s.name)} ({dims}): bubble {percent(s.bubble_fraction)}, "
+    out = (f"{label(s.name)} ({dims}): bubble {percent(s.bubble_fraction)}, "
            f"total time {s.total_time}, peak activations "
            + (f"(microbatch-chunks, 1/{s.chunks} stage each) " if s.chunks > 1 else "")
            + f"per {word} {s.peak_activations}")

@@ -1,0 +1,103 @@
+"""The `jaxpar` command (also `python -m jaxpar`).
+
+    jaxpar tour                      every technique against the reference, one table
+    jaxpar verify tp                 one technique's check (names: `jaxpar verify --help`)
+    jaxpar schedule 1f1b -p 4 -m 8   pipeline schedules as data (timelines, bubbles, memory)
+
+A subcommand module (COMMANDS) exposes HELP, FLAGS (the library's Python names and the
+flags that set them), add_arguments(parser) and main(args) -> int. A ConfigError (input
+the library refuses) prints as one line, in the command's flags, with exit status 2;
+any other exception is a bug and keeps its traceback. Modules are imported late, so
+`jaxpar schedule` and `jaxpar --help` never start JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import sys
+
+from jaxpar.errors import ConfigError
+
+# subcommand -> module exposing HELP, FLAGS, add_arguments(parser), main(args).
+COMMANDS: dict[str, str] = {
+    "schedule": "jaxpar.cli.schedule",
+}
+
+
+def translate(message: str, flags: dict[str, str]) -> str:
+    """The library's `name=value` as the command line's `--flag value`."""
+    for name, flag in flags.items():
+        message = re.sub(rf"(?<![\w.]){re.escape(name)}=", f"{flag} ", message)
+    return message
+
+
+def _tour(args) -> int:
+    from jaxpar.cli import devices, tour
+
+    devs = devices.start(args)
+    if not args.json:
+        print(f"jaxpar tour on {len(devs)} {devs[0].platform} device(s)\n")
+    return _print(tour.run_checks(args.only or None), args.json)
+
+
+def _verify(args) -> int:
+    from jaxpar.cli import devices, tour
+
+    devices.start(args)
+    return _print(tour.run_checks([args.technique]), args.json)
+
+
+def _print(results, as_json: bool) -> int:
+    from jaxpar.cli import tour
+
+    print(tour.format_json(results) if as_json else tour.format_table(results))
+    return 0 if all(r.passed for r in results) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from jaxpar.cli import devices, tour
+
+    parser = argparse.ArgumentParser(
+        prog="jaxpar",
+        description="LLM-training parallelism in JAX (CS336 lecture 8), checked against a reference.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("tour", help="run every technique against the reference and print one table")
+    p.add_argument("--only", nargs="*", metavar="NAME", help=f"restrict to these checks ({', '.join(tour.CHECKS)})")
+    devices.add_options(p)
+    p.set_defaults(func=_tour, flags={})
+
+    p = sub.add_parser("verify", help="check one technique against the reference")
+    p.add_argument("technique", choices=list(tour.CHECKS), metavar="TECHNIQUE",
+                   help=f"one of: {', '.join(tour.CHECKS)}")
+    devices.add_options(p)
+    p.set_defaults(func=_verify, flags={})
+
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(func=module.main, flags=module.FLAGS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        line = translate(str(e), args.flags).splitlines()[0]
+        print(f"jaxpar {args.command}: error: {line}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `jaxpar schedule ... | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

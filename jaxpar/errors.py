@@ -1,0 +1,120 @@
+"""The one error jaxpar raises for input it refuses, and the checks that raise it.
+
+`ConfigError` (a ValueError) is raised before any compute, for every input the library
+refuses: a mesh that does not divide what it splits, a wrong device count, a schedule
+that cannot run, a wrong type, rank or dtype, an empty batch, a size no machine has. Its
+message names the value, the constraint and a fix, in Python's words
+(`microbatches=7 or more`); only the command line translates them into its flags.
+
+The helpers below are the checks shared by every package: each returns the value it
+accepted (normalised: a numpy integer becomes an int) or raises ConfigError. They look
+at types and shapes only, never at traced values, and import nothing beyond the standard
+library, so the pure-Python parts (schedules, formulas, the planner) use them too.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable, Mapping
+
+
+class ConfigError(ValueError):
+    """An input jaxpar refuses, found before any compute. The message says what value was
+    given, which constraint it breaks and how to fix it."""
+
+
+def is_whole(n) -> bool:
+    """True for an int (numpy integers included), False for bool, float, str, ..."""
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool)
+
+
+def whole(name: str, value, *, minimum: int = 1, maximum: int | None = None, fix: str = "") -> int:
+    """`value` as an int if it is a whole number in [minimum, maximum]; True, 2.0 and "4"
+    are not. `maximum` guards sizes no machine has; `fix` replaces the default advice."""
+    if not is_whole(value):
+        raise ConfigError(f"{name}={value!r} is a {type(value).__name__}, not a whole number: "
+                          f"{fix or f'give an int >= {minimum}, e.g. {name}={max(minimum, 4)}'}")
+    if value < minimum:
+        raise ConfigError(f"{name}={value}: need at least {minimum}; "
+                          f"{fix or f'use {name}={minimum} or more'}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{name}={value} is more than {maximum:,}, larger than any machine runs; "
+                          f"{fix or f'use {name}={maximum} or less'}")
+    return int(value)
+
+
+def number(name: str, value, *, positive: bool = True, fix: str = "") -> float:
+    """`value` as a float if it is a real number (not a bool), > 0 when `positive`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
+        raise ConfigError(f"{name}={value!r} is not a real number; {fix or f'give a float, e.g. {name}=1e-6'}")
+    if positive and value <= 0:
+        raise ConfigError(f"{name}={value}: must be > 0; {fix or f'give a positive {name}'}")
+    return float(value)
+
+
+def flag(name: str, value) -> bool:
+    """`value` if it is a bool (1 and "yes" are not)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} is a {type(value).__name__}: give True or False")
+    return value
+
+
+def one_of(name: str, value, choices: Iterable) -> object:
+    """`value` if it is one of `choices`."""
+    choices = tuple(choices)
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"{name}={value!r}: use one of {', '.join(map(repr, choices))}")
+    return value
+
+
+def mapping(name: str, value, example: str) -> Mapping:
+    """`value` if it is a dict-like Mapping."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{name}={value!r} is a {type(value).__name__}, not a mapping: give a dict, "
+                          f"e.g. {name}={example}")
+    return value
+
+
+def divisible(name: str, value: int, by_name: str, by: int, *, why: str, fix: str) -> None:
+    """Refuse `value` (called `name`) unless `by` (called `by_name`) divides it."""
+    if value % by:
+        raise ConfigError(f"{name}={value} is not divisible by {by_name}={by}: {why}. Fix: {fix}")
+
+
+def divisors(n: int) -> str:
+    """'1, 2, 4, 8' for n = 8: the sizes that would divide n, for a message."""
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def array(name: str, x, *, ndim: int | None = None, kinds: str = "", shape_doc: str = "",
+          nonempty: bool = True) -> tuple[int, ...]:
+    """The shape of `x` if it is an array (anything with .shape and .dtype: numpy, jax, a
+    ShapeDtypeStruct) of rank `ndim`, a dtype whose numpy kind is in `kinds` ("f" float,
+    "i" signed int, "u" unsigned, "b" bool; empty: any) and, with `nonempty`, no zero-sized
+    axis. `shape_doc` ("x[B, T, D]") says in messages what was expected."""
+    want = shape_doc or name
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is None or dtype is None:
+        raise ConfigError(f"{name} is a {type(x).__name__}, not an array: pass {want} as a jax or numpy array")
+    shape = tuple(int(d) for d in shape)
+    if ndim is not None and len(shape) != ndim:
+        raise ConfigError(f"{name} has shape {shape} (rank {len(shape)}); expected rank {ndim}: {want}")
+    kind = _kind(dtype)
+    if kinds and kind not in kinds:
+        words = {"f": "floating point", "i": "integer", "u": "integer", "b": "bool"}
+        wanted = " or ".join(dict.fromkeys(words[k] for k in kinds))
+        raise ConfigError(f"{name} has dtype {dtype}; {want} must be {wanted}. Fix: cast it, "
+                          f"e.g. {name}.astype({'jnp.float32' if 'f' in kinds else 'jnp.int32'})")
+    if nonempty and 0 in shape:
+        raise ConfigError(f"{name} has shape {shape}, with an empty axis: {want} needs at least one "
+                          "element along every axis (an empty batch has no loss to compute)")
+    return shape
+
+
+def _kind(dtype) -> str:
+    # bfloat16 and the float8 types are numpy 'V' (void) dtypes registered by ml_dtypes.
+    kind = getattr(dtype, "kind", "")
+    name = str(getattr(dtype, "name", dtype))
+    if kind == "V" and ("float" in name):
+        return "f"
+    return kind

@@ -1,0 +1,192 @@
+"""What a pipeline stage is: a stage function over stacked layers, the loss, the layout of
+the layers over the stages, the checks a request must pass, and the stage functions of
+the lecture with the unsharded model they are checked against.
+
+`params` is a pytree whose leaves stack the model's L layers on a leading axis; stage k
+of the S = p*v model stages holds layers [k*L/S, (k+1)*L/S), and `stage_fn(stage_params,
+x) -> y` runs them (`layers(layer_fn)` builds one from a per-layer function; y has x's
+shape). `loss_fn(y, targets) -> scalar` is a mean over the microbatch, so that the mean
+over microbatches (and dp shards) is the whole batch's loss.
+
+The lecture's model (script 02_pipeline_parallel.py): 8 layers of Linear(1024) + ReLU, 2
+per stage on 4 stages, trained with a mean squared error (`mlp_*`); and the reference
+transformer blocks (`reference.block`) stacked on a leading layer axis (`block_*`).
+`unsharded(stage_fn, params, batch, loss_fn)` is the reference: the whole stack as one
+stage on one device, differentiated by jax.value_and_grad.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar import errors, reference
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import DP, PP, axis_size, require_mesh
+from jaxpar.pipeline.schedule import Schedule
+
+
+class Grads(NamedTuple):
+    params: Any   # d loss / d params: the structure and shapes of params
+    inputs: Any   # d loss / d inputs: the shape of the batch's inputs
+
+
+def mse(y, targets):
+    """Mean squared error over the microbatch (the lecture MLP's loss)."""
+    return jnp.mean(jnp.square(y - targets))
+
+
+class layers:
+    """A stage function from a per-layer one: `layers(layer_fn)(stage_params, x)` applies
+    layer_fn for each entry of stage_params' leading (layer) axis, in order.
+
+    The runtime takes each layer's parameters out of the stack before the stage's vjp, so
+    the residuals it keeps between F and B hold activations only; a stage function of
+    another kind keeps whatever its vjp saves, slices of its weights included."""
+
+    def __init__(self, layer_fn: Callable):
+        self.layer_fn = layer_fn
+        functools.update_wrapper(self, layer_fn)
+
+    def __call__(self, stage_params, x):
+        return self.apply(unstack(stage_params), x)
+
+    def apply(self, per_layer, x):
+        for p in per_layer:
+            x = self.layer_fn(p, x)
+        return x
+
+
+def unstack(stacked) -> list:
+    """[n, ...] leaves -> a list of n pytrees."""
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    return [jax.tree.map(lambda a: a[j], stacked) for j in range(n)]
+
+
+# ---- the checks a request passes, and the layout of the layers over the stages ----------
+
+def validate(schedule: Schedule, stage_fn: Callable, params, batch, mesh, loss_fn: Callable) -> tuple[int, int]:
+    """Refuse (ConfigError: value, constraint, fix) anything `schedule` cannot run on `mesh`
+    with these params and batch; return (layers, local batch rows per microbatch). Shapes
+    only: nothing is computed."""
+    if not isinstance(schedule, Schedule):
+        raise ConfigError(f"schedule is a {type(schedule).__name__}, not a Schedule: build one with "
+                          "jaxpar.pipeline.schedule.make('1f1b', stages=..., microbatches=...)")
+    for name, fn in (("stage_fn", stage_fn), ("loss_fn", loss_fn)):
+        if not callable(fn):
+            raise ConfigError(f"{name}={fn!r} is not callable: give a function ({name}(params, x) for a stage, "
+                              "loss_fn(y, targets) -> scalar for the loss)")
+    require_mesh(mesh, axes=(PP,), only=(DP, PP), needed_by="the pipeline runtime")
+    p, v, mb = axis_size(mesh, PP), schedule.chunks, schedule.microbatches
+    if schedule.stages != p:
+        raise ConfigError(f"schedule {schedule.name!r} is built for p={schedule.stages} stages but the "
+                          f"mesh has {PP}={p}: make it with schedule.make({schedule.name!r}, stages={p}, ...)")
+    leaves = jax.tree.leaves(params)
+    if not leaves:
+        raise ConfigError("params has no arrays: give a pytree whose leaves stack the layers on axis 0")
+    for leaf in leaves:
+        errors.array("a params leaf", leaf, nonempty=False, shape_doc="an array [layers, ...]")
+    n_layers = leaves[0].shape[0] if leaves[0].ndim else 0
+    if any(a.ndim == 0 or a.shape[0] != n_layers for a in leaves):
+        raise ConfigError(f"params leaves have leading axes {[tuple(a.shape[:1]) for a in leaves]}: every leaf "
+                          "stacks the same number of layers on axis 0")
+    stages = p * v
+    if n_layers == 0 or n_layers % stages:
+        raise ConfigError(f"{n_layers} layers do not split into p*v = {p}*{v} = {stages} stages: use a "
+                          f"layer count divisible by {stages} (at least {stages}) or another p or v")
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise ConfigError(f"batch is a {type(batch).__name__}"
+                          + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+                          + ": give the pair (inputs [B, ...], targets [B, ...])")
+    inputs, targets = batch
+    in_shape = errors.array("inputs", inputs, kinds="f", shape_doc="inputs[B, ...], the first stage's activations")
+    t_shape = errors.array("targets", targets, shape_doc="targets[B, ...]")
+    if not in_shape or not t_shape:
+        raise ConfigError(f"inputs {in_shape} and targets {t_shape}: both need a leading batch axis [B, ...]")
+    rows, dp = in_shape[0], axis_size(mesh, DP)
+    if t_shape[0] != rows:
+        raise ConfigError(f"inputs have {rows} rows but targets {t_shape[0]}: give one target per row")
+    if rows % (dp * mb):
+        raise ConfigError(f"batch of {rows} rows does not split into {DP}={dp} x microbatches={mb}: "
+                          f"use a batch divisible by {dp * mb}, or another microbatch count")
+    return n_layers, rows // (dp * mb)
+
+
+def to_stages(params, schedule: Schedule):
+    """[L, ...] leaves -> [p, v, L/(p v), ...]: entry [d, c] holds stage stage_of(d, c)."""
+    p, v = schedule.stages, schedule.chunks
+    order = np.array([[schedule.stage_of(d, c) for c in range(v)] for d in range(p)])
+
+    def one(a):
+        a = a.reshape(p * v, a.shape[0] // (p * v), *a.shape[1:])
+        return a[order.reshape(-1)].reshape(p, v, *a.shape[1:])
+    return jax.tree.map(one, params)
+
+
+def from_stages(params, schedule: Schedule):
+    """Inverse of to_stages: [p, v, L/(p v), ...] -> [L, ...]."""
+    p, v = schedule.stages, schedule.chunks
+    inverse = np.argsort([schedule.stage_of(d, c) for d in range(p) for c in range(v)])
+
+    def one(a):
+        a = a.reshape(p * v, *a.shape[2:])[inverse]
+        return a.reshape(-1, *a.shape[2:])
+    return jax.tree.map(one, params)
+
+
+
+# ---- the lecture's stage functions and the unsharded reference ---------------------------
+
+def mlp_params(n_layers: int = 8, width: int = 1024, dtype=jnp.float32, seed: int = 0) -> dict:
+    """{"w": [L, W, W], "b": [L, W]}, He-scaled so activations keep their size through
+    ReLU layers; drawn with numpy (no RNG kernel to compile)."""
+    rng = np.random.default_rng(seed)
+    return {"w": jnp.asarray(rng.standard_normal((n_layers, width, width)) * (2 / width) ** 0.5, dtype),
+            "b": jnp.asarray(rng.standard_normal((n_layers, width)) * 0.1, dtype)}
+
+
+def mlp_layer(p: dict, x):
+    """One Linear(W) + ReLU: x [rows, W] -> [rows, W]."""
+    return jax.nn.relu(x @ p["w"] + p["b"])
+
+
+mlp_stage = layers(mlp_layer)
+
+
+def mlp_batch(rows: int, width: int = 1024, dtype=jnp.float32, seed: int = 1) -> tuple[jax.Array, jax.Array]:
+    """(inputs, targets), both [rows, W], standard normal."""
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal((rows, width)), dtype),
+            jnp.asarray(rng.standard_normal((rows, width)), dtype))
+
+
+def block_stage(cfg: reference.ModelConfig):
+    """A stage of reference transformer blocks: params are reference's `blocks` dict
+    (leaves stacked on the layer axis), x [batch, seq, D]."""
+    return layers(functools.partial(reference.block, cfg=cfg))
+
+
+def block_params(cfg: reference.ModelConfig, dtype=jnp.float32, seed: int = 0) -> dict:
+    return reference.init_params(jax.random.key(seed), cfg, dtype)["blocks"]
+
+
+def block_batch(rows: int, cfg: reference.ModelConfig, seq: int = 8, dtype=jnp.float32, seed: int = 1):
+    """(inputs, targets), both [rows, seq, D]: activations in, a regression target out."""
+    rng = np.random.default_rng(seed)
+    shape = (rows, seq, cfg.d_model)
+    return jnp.asarray(rng.standard_normal(shape), dtype), jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def unsharded(stage_fn, params, batch, loss_fn=mse) -> tuple[jax.Array, Grads]:
+    """The reference: all layers as one stage on one device; (loss, Grads)."""
+    inputs, targets = batch
+
+    def loss(params, inputs):
+        return loss_fn(stage_fn(params, inputs), targets)
+    value, (d_params, d_inputs) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, inputs)
+    return value, Grads(params=d_params, inputs=d_inputs)

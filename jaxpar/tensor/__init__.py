@@ -1,0 +1,31 @@
+"""Megatron tensor parallelism and sequence parallelism (lecture sections 3 and 4.4).
+
+    ops       f, g and the sequence-parallel all-gather / reduce-scatter pair
+    layers    column- and row-parallel linears, attention, MLP and block on one tp shard
+    block     TPSpecs (every PartitionSpec), the input checks, tp_block over a mesh
+    vocab     vocabulary-parallel embedding, LM head and cross-entropy; tp_loss end to end
+    formulas  the collectives and bytes in closed form (pure Python)
+    verify    against reference.block and reference.loss (`jaxpar verify tp|sp`)
+
+    from jaxpar import tensor
+    y = tensor.tp_block(reference.layer_params(params, 0), x, mesh=m, cfg=cfg, sequence_parallel=True)
+"""
+
+from jaxpar.tensor.block import TPSpecs, tp_block, validate_block_inputs, validate_tp
+from jaxpar.tensor.formulas import (block_param_bytes, block_param_shapes, cross_entropy_collectives,
+                                    embedding_collectives, lm_loss_collectives, ring_bytes_per_device,
+                                    tp_block_collectives)
+from jaxpar.tensor.layers import (attention_shard, block_shard, column_parallel, mlp_shard, row_parallel,
+                                  row_split_gelu, row_split_gelu_error)
+from jaxpar.tensor.ops import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
+from jaxpar.tensor.vocab import (cross_entropy_shard, embedding_shard, lm_head_loss_shard, tp_loss,
+                                 vocab_parallel_cross_entropy, vocab_parallel_embedding, vocab_parallel_lm_loss)
+
+__all__ = [
+    "TPSpecs", "attention_shard", "block_param_bytes", "block_param_shapes", "block_shard", "column_parallel",
+    "copy_to_tp", "cross_entropy_collectives", "cross_entropy_shard", "embedding_collectives", "embedding_shard",
+    "gather_from_sp", "lm_head_loss_shard", "lm_loss_collectives", "mlp_shard", "reduce_from_tp",
+    "reduce_scatter_to_sp", "ring_bytes_per_device", "row_parallel", "row_split_gelu", "row_split_gelu_error",
+    "tp_block", "tp_block_collectives", "tp_loss", "validate_block_inputs", "validate_tp",
+    "vocab_parallel_cross_entropy", "vocab_parallel_embedding", "vocab_parallel_lm_loss",
+]

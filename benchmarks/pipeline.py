@@ -12,7 +12,7 @@ pp=4 (the first 4 devices; 8 fake CPU devices by default). Two figures:
                (default 32 rows, width 256) as m grows 4 -> 8 -> 16 -> 32, for 1F1B, GPipe,
                interleaved (v=2) and ZB-H2 driven by their schedules (input_grads=False: the
                m microbatches' input gradients are an output, not counted) and for
-               runtime.gpipe_baseline (jax.grad of a scanned forward). Columns: bytes; the
+               baseline.gpipe_baseline (jax.grad of a scanned forward). Columns: bytes; the
                same in units of one microbatch activation (mb_rows * width * 4 bytes);
                growth relative to m=4; units added per microbatch beyond 4 (constant when
                memory grows in proportion to m); the runtime's residual slots plan.n_res next
@@ -129,13 +129,13 @@ def time_rows(repeats: int = REPEATS, ms=TIME_M) -> list[dict]:
     dev = jax.devices()[0]
     one = jax.device_put(jax.tree.map(lambda a: a[:per_stage], params), dev)
     x, dy = (jax.device_put(a, dev) for a in batch)
-    stage = jax.jit(lambda p, x, dy: jax.vjp(stage.mlp_stage, p, x)[1](dy))
-    jax.block_until_ready(stage(one, x, dy))
+    one_stage = jax.jit(lambda p, x, dy: jax.vjp(stage.mlp_stage, p, x)[1](dy))
+    jax.block_until_ready(one_stage(one, x, dy))
 
     times = {key: [] for key in steps}
     stage_times = []
     for r in range(repeats):
-        stage_times.append(_timed(stage, one, x, dy))
+        stage_times.append(_timed(one_stage, one, x, dy))
         for m in ms:
             for kind in (("1f1b", "baseline") if r % 2 == 0 else ("baseline", "1f1b")):
                 step, stage_params = steps[m, kind]

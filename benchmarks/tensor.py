@@ -15,7 +15,7 @@ Rows, all from compiled programs on the devices there are (8 fake CPU devices by
   peer       the same block written as plain jnp under jit, weights placed with the same
              NamedShardings and activations annotated (with_sharding_constraint), the way
              MaxText does TP: collective bytes and fwd+bwd time vs jaxpar's explicit
-             shard_map version, on tensor_checks.default_mesh() (dp=2 x tp=4 on 8 devices;
+             shard_map version, on tensor.verify.default_mesh() (dp=2 x tp=4 on 8 devices;
              skipped, with a row saying so, when that gives tp=1): ratio of medians of
              REPEATS alternated runs after warm-up, and of the fastest runs (best_ratio).
 
@@ -134,8 +134,8 @@ def run() -> list[dict]:
         mem = fwd.lower(p, x).compile().memory_analysis()
         measured = mem.argument_size_in_bytes - x_bytes // dp
         rows.append({"figure": "params/device", "t": t, "sp": False, "bytes": measured,
-                     "formula": tensor.block_param_bytes(CFG, jnp.float32, t),
-                     "ratio_to_t1": measured / tensor.block_param_bytes(CFG, jnp.float32, 1)})
+                     "formula": tensor.block_param_bytes(cfg=CFG, dtype=jnp.float32, tp=t),
+                     "ratio_to_t1": measured / tensor.block_param_bytes(cfg=CFG, dtype=jnp.float32, tp=1)})
     for t in (t for t in (2, 4, 8) if n % t == 0):
         m = _mesh(t)
         dp = n // t
@@ -153,7 +153,7 @@ def run() -> list[dict]:
 
 
 def _peer_rows(p, x) -> list[dict]:
-    m = default_mesh()
+    m, _ = default_mesh()
     t, dp = m.shape[mesh.TP], m.shape.get(mesh.DP, 1)
     if t == 1:
         return [{"figure": "fwd+bwd jaxpar vs peer", "t": 1, "sp": False,

@@ -26,9 +26,8 @@ n = mesh.use_cpu_devices(8)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxpar.pipeline import baseline, formulas, runtime, schedule, stage
-from jaxpar.pipeline import plan as runtime_plan
-from jaxpar.pipeline import verify as runtime_checks  # noqa: E402
+from jaxpar.errors import ConfigError  # noqa: E402
+from jaxpar.pipeline import baseline, plan, runtime, schedule, stage, verify  # noqa: E402
 from jaxpar.testing import max_abs_diff  # noqa: E402
 
 
@@ -58,8 +57,8 @@ def demo_every_schedule():
     cases = [("naive", p), ("gpipe", 8), ("1f1b", 8), ("interleaved", 8), ("zb-h1", 8), ("zb-h2", 8),
              ("dualpipe-v", 8)]
     for name, m in cases:
-        c = runtime_checks.compare(name, p, m, dp=dp)
-        pl = runtime_plan.plan(schedule.make(name, p, m))
+        c = verify.compare(name, p, m, dp=dp)
+        pl = plan.plan(schedule.make(name, p, m))
         cp = c.measured.get("collective-permute", (0, 0))
         same = "=" if c.collectives_match else "!="
         print(f"  {c.name:<28} {c.max_error:9.1e}  {c.relative:8.1e}  {cp[0]:>3} {same} {pl.permutes:<3} "
@@ -69,7 +68,7 @@ def demo_every_schedule():
 
 def demo_steps():
     print("\n== demo 3: the SPMD steps of 1F1B (p=4, m=6): each device's own order, B lane then F lane ==")
-    print(runtime_plan.ascii_steps(runtime_plan.plan(schedule.make("1f1b", 4, 6))))
+    print(plan.ascii_steps(plan.plan(schedule.make("1f1b", 4, 6))))
 
 
 def demo_memory():
@@ -108,8 +107,8 @@ def demo_bad_input():
         try:
             call()
             print(f"  {what}: no error (FAIL)")
-        except ValueError as e:
-            print(f"  {what}: ValueError: {e}")
+        except ConfigError as e:
+            print(f"  {what}: ConfigError: {e}")
 
 
 if __name__ == "__main__":

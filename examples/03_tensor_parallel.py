@@ -30,12 +30,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from jaxpar import comms, reference, tensor  # noqa: E402
 from jaxpar.tensor.ops import copy_to_tp  # noqa: E402
 from jaxpar.tensor.verify import (  # noqa: E402
-    default_mesh, fwd_bwd, lm_head_inputs, reference_lm_loss_and_grads, run_block)
-from jaxpar.testing import max_abs_diff  # noqa: E402
+    default_mesh, lm_head_inputs, reference_lm_loss_and_grads, run_block)
+from jaxpar.testing import fwd_bwd, max_abs_diff  # noqa: E402
 
 
 def demo_block(m, cfg, B, T, sp):
-    run = run_block(cfg, m, sequence_parallel=sp, batch=B, seq=T)
+    run = run_block(cfg, m, sequence_parallel=sp, batch_size=B, seq_len=T)
     y, (grads, dx) = run.out
     y_ref, (g_ref, dx_ref) = run.ref
     print(f"  output      max diff {max_abs_diff(y, y_ref):.1e}")
@@ -54,12 +54,12 @@ def sp_mlp_sublayer(p, x, *, cfg):
 
 
 def main():
-    m = default_mesh()                # tp=4 when 4 divides the device count, else 2, else 1
-    tp = m.shape[mesh.TP]
+    m, note = default_mesh()          # tp 4 or 2, whichever leaves fewer devices out
+    tp, dp = mesh.axis_size(m, mesh.TP), mesh.axis_size(m, mesh.DP)
     cfg = reference.ModelConfig(n_layers=1, n_heads=8, n_kv_heads=8, d_model=64, head_dim=8, d_ff=256)
-    B, T = 2 * (n // tp), 16
-    print(f"{n} devices, mesh {mesh.describe(m)}; block D={cfg.d_model} N={cfg.n_heads} F={cfg.d_ff}, "
-          f"B={B} T={T}\n")
+    B, T = 2 * dp, 16
+    print(f"{n} devices, mesh {mesh.describe(m)}{f' ({note})' if note else ''}; block D={cfg.d_model} "
+          f"N={cfg.n_heads} F={cfg.d_ff}, B={B} T={T}\n")
 
     print(f"Demo 1: Transformer block (attention + MLP, residuals), {tp}-way tensor parallel")
     tp_run = demo_block(m, cfg, B, T, sp=False)
@@ -74,7 +74,7 @@ def main():
     mlp_p = {k: p[k] for k in ("mlp_norm", "w_up", "w_down")}
     x = jax.random.normal(jax.random.PRNGKey(1), (B, T, cfg.d_model))
     dy = jax.random.normal(jax.random.PRNGKey(2), (B, T, cfg.d_model)) / (B * T)
-    act = P(mesh.DP if n // tp > 1 else None, mesh.TP, None)
+    act = P(mesh.DP if dp > 1 else None, mesh.TP, None)
     sub = jax.jit(jax.shard_map(partial(sp_mlp_sublayer, cfg=cfg), mesh=m,
                                 in_specs=({"mlp_norm": P(), "w_up": P(None, mesh.TP), "w_down": P(mesh.TP, None)}, act),
                                 out_specs=act))
@@ -87,21 +87,21 @@ def main():
           f"norm gain grad {max_abs_diff(g['mlp_norm'], g_ref['mlp_norm']):.1e} (all-reduced over tp)")
 
     print("\nCollectives of the compiled block (b = B/dp = local batch, s = T, h = D):")
-    b = B // (n // tp)
+    b = B // dp
     act_elems = b * T * cfg.d_model
-    sp_run = run_block(cfg, m, sequence_parallel=True, batch=B, seq=T)
+    sp_run = run_block(cfg, m, sequence_parallel=True, batch_size=B, seq_len=T)
     for name, run in (("TP", tp_run), ("SP", sp_run)):
         for part, got, want in (("forward", run.forward, run.formula_forward),
                                 ("backward", run.backward, run.formula_backward)):
             print(f"  {name} {part:8s}: {comms.format_stats(got)}  {'= formula' if got == want else '!= formula'}")
     print(f"  lecture: 2 all-reduces of s*d each way; here 2*b*s*h = {2 * act_elems} elements "
           f"({comms.human_bytes(2 * act_elems * 4)} f32) each way "
-          f"(backward also all-reduces the {tensor.block_param_bytes(cfg, jnp.float32, tp) // 4} "
+          f"(backward also all-reduces the {tensor.block_param_bytes(cfg=cfg, dtype=jnp.float32, tp=tp) // 4} "
           "param-gradient elements over dp; SP adds the 2*h gains')")
-    ring = tensor.ring_bytes_per_device(cfg, b, T, jnp.float32, tp)
+    ring = tensor.ring_bytes_per_device(cfg=cfg, batch_size=b, seq_len=T, dtype=jnp.float32, tp=tp)
     print(f"\nPer-device ring traffic per layer, 8*b*s*h*(t-1)/t = {ring / 4:.0f} elements "
           f"({comms.human_bytes(ring)} f32)")
-    dp_bytes = tensor.block_param_bytes(cfg, jnp.float32, tp) if n // tp > 1 else 0
+    dp_bytes = tensor.block_param_bytes(cfg=cfg, dtype=jnp.float32, tp=tp) if dp > 1 else 0
     tp_ar = tp_run.forward["all-reduce"][1] + tp_run.backward["all-reduce"][1] - dp_bytes
     print(f"  measured: TP all-reduce bytes (fwd + bwd, dp gradients left out) x 2(t-1)/t = "
           f"{tp_ar * 2 * (tp - 1) / tp / 4:.0f} elements")
@@ -110,7 +110,7 @@ def main():
 
 
 def demo_vocab(m, cfg, B, T):
-    tp, dp = m.shape[mesh.TP], m.shape.get(mesh.DP, 1)
+    tp, dp = mesh.axis_size(m, mesh.TP), mesh.axis_size(m, mesh.DP)
     V = 64 * tp
     cfg = dataclasses.replace(cfg, vocab=V)
     print(f"\nVocabulary-parallel LM head (Megatron): unembed[D, V/t] per device, V={V}; the logits "
@@ -122,11 +122,11 @@ def demo_vocab(m, cfg, B, T):
     ref = reference_lm_loss_and_grads(x, gain, unembed, targets)
     print(f"  loss {float(loss):.4f}; loss and dL/dx, dL/dfinal_norm, dL/dunembed vs cross_entropy(rms_norm(x) "
           f"@ unembed): max diff {max_abs_diff((loss, grads), ref):.1e}")
-    kw = dict(batch=B, seq=T, d_model=cfg.d_model, vocab=V, dtype=jnp.float32, tp=tp, dp=dp, what="lm_loss")
+    kw = dict(cfg=cfg, batch_size=B, seq_len=T, dtype=jnp.float32, tp=tp, dp=dp)
     for part, got, note in (("forward", fwd, "the max, then sum exp + target logit, [b, T] each; the loss's "
                                              "mean over dp"),
                             ("backward", bwd, "f: dL/dz over tp, b*T*D; unembed and final_norm grads over dp")):
-        want = tensor.vocab_collectives(**kw, backward=part == "backward")
+        want = tensor.lm_loss_collectives(**kw, backward=part == "backward")
         print(f"  {part:8s}: {comms.format_stats(got)}  {'= formula' if got == want else '!= formula'}  ({note})")
     print(f"  the full logits would be {comms.human_bytes(B * T * V * 4)}; each device holds 1/{tp} of them")
 

@@ -16,22 +16,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import re
 import sys
 
+from jaxpar.cli.flags import translate
 from jaxpar.errors import ConfigError
 
 # subcommand -> module exposing HELP, FLAGS, add_arguments(parser), main(args).
 COMMANDS: dict[str, str] = {
     "schedule": "jaxpar.cli.schedule",
 }
-
-
-def translate(message: str, flags: dict[str, str]) -> str:
-    """The library's `name=value` as the command line's `--flag value`."""
-    for name, flag in flags.items():
-        message = re.sub(rf"(?<![\w.]){re.escape(name)}=", f"{flag} ", message)
-    return message
 
 
 def _tour(args) -> int:

@@ -24,7 +24,7 @@ import os
 import textwrap
 
 from jaxpar import errors
-from jaxpar.cli.main import translate
+from jaxpar.cli.flags import translate
 from jaxpar.errors import ConfigError
 from jaxpar.pipeline import orders, plan, schedule, viz
 

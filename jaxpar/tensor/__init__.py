@@ -9,23 +9,33 @@
 
     from jaxpar import tensor
     y = tensor.tp_block(reference.layer_params(params, 0), x, mesh=m, cfg=cfg, sequence_parallel=True)
+
+The names below are loaded from their module on first use (PEP 562), so that importing
+`jaxpar.tensor.formulas` (pure Python, read by the planner) does not start JAX.
 """
 
-from jaxpar.tensor.block import TPSpecs, tp_block, validate_block_inputs, validate_tp
-from jaxpar.tensor.formulas import (block_param_bytes, block_param_shapes, cross_entropy_collectives,
-                                    embedding_collectives, lm_loss_collectives, ring_bytes_per_device,
-                                    tp_block_collectives)
-from jaxpar.tensor.layers import (attention_shard, block_shard, column_parallel, mlp_shard, row_parallel,
-                                  row_split_gelu, row_split_gelu_error)
-from jaxpar.tensor.ops import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
-from jaxpar.tensor.vocab import (cross_entropy_shard, embedding_shard, lm_head_loss_shard, tp_loss,
-                                 vocab_parallel_cross_entropy, vocab_parallel_embedding, vocab_parallel_lm_loss)
+import importlib
 
-__all__ = [
-    "TPSpecs", "attention_shard", "block_param_bytes", "block_param_shapes", "block_shard", "column_parallel",
-    "copy_to_tp", "cross_entropy_collectives", "cross_entropy_shard", "embedding_collectives", "embedding_shard",
-    "gather_from_sp", "lm_head_loss_shard", "lm_loss_collectives", "mlp_shard", "reduce_from_tp",
-    "reduce_scatter_to_sp", "ring_bytes_per_device", "row_parallel", "row_split_gelu", "row_split_gelu_error",
-    "tp_block", "tp_block_collectives", "tp_loss", "validate_block_inputs", "validate_tp",
-    "vocab_parallel_cross_entropy", "vocab_parallel_embedding", "vocab_parallel_lm_loss",
-]
+# public name -> the module of this package that defines it
+_EXPORTS = {
+    "block": ("TPSpecs", "tp_block", "validate_batch", "validate_block_inputs", "validate_tp"),
+    "formulas": ("block_param_bytes", "block_param_shapes", "cross_entropy_collectives", "embedding_collectives",
+                 "lm_loss_collectives", "ring_bytes_per_device", "tp_block_collectives"),
+    "layers": ("attention_shard", "block_shard", "column_parallel", "mlp_shard", "row_parallel", "row_split_gelu",
+               "row_split_gelu_error"),
+    "ops": ("copy_to_tp", "gather_from_sp", "reduce_from_tp", "reduce_scatter_to_sp"),
+    "vocab": ("cross_entropy_shard", "embedding_shard", "lm_head_loss_shard", "tp_loss", "vocab_parallel_cross_entropy",
+              "vocab_parallel_embedding", "vocab_parallel_lm_loss"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'jaxpar.tensor' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"jaxpar.tensor.{_WHERE[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -83,6 +83,10 @@ def make_mesh(*, devices: Sequence[jax.Device] | None = None, **sizes: int) -> M
             raise ConfigError(f"mesh axis {name}={size!r} must be a positive integer, e.g. {name}=2")
     if not sizes:
         raise ConfigError("make_mesh needs at least one axis, e.g. make_mesh(dp=8)")
+    if devices is not None and (not isinstance(devices, (list, tuple)) or not devices
+                                or not all(isinstance(d, jax.Device) for d in devices)):
+        raise ConfigError(f"devices={devices!r}: give a non-empty list of jax devices, e.g. "
+                          "devices=jax.devices()[:4]")
     devices = list(jax.devices() if devices is None else devices)
     names = tuple(a for a in AXIS_ORDER if a in sizes)
     shape = tuple(int(sizes[a]) for a in names)

@@ -212,6 +212,7 @@ def block(p: dict, x, cfg: ModelConfig):
 
 def forward(params: dict, tokens, cfg: ModelConfig):
     """tokens: int[B, T] -> logits [B, T, V]."""
+    errors.array("tokens", tokens, ndim=2, kinds="iu", shape_doc="tokens[batch, seq] of token ids")
     x = params["embed"][tokens]
     for i in range(cfg.n_layers):
         x = block(layer_params(params, i), x, cfg)
@@ -232,5 +233,8 @@ def lm_head_loss(x, final_norm, unembed, targets, eps: float = 1e-6):
 
 def loss(params: dict, tokens, cfg: ModelConfig):
     """Next-token cross-entropy: position t predicts token t+1. tokens: int[B, T]."""
+    shape = errors.array("tokens", tokens, ndim=2, kinds="iu", shape_doc="tokens[batch, seq + 1] of token ids")
+    if shape[1] < 2:
+        raise ConfigError(f"tokens has shape {shape}: next-token prediction needs at least 2 positions per row")
     logits = forward(params, tokens[:, :-1], cfg)
     return cross_entropy(logits, tokens[:, 1:])

@@ -18,7 +18,7 @@ EXPECTED = {
     "00_foundations.py": ["8 cpu devices", "= parameter bytes 70272: True"],
     "01_pipeline_schedules.py": ["27.3%", "[4, 3, 2, 1]"],
     "02_pipeline_parallel.py": ["m=8: max |pipeline - single device|", "29 = 29  carrying all 48", "75.2 (1.00x)",
-                                "ValueError: 6 layers do not split"],
+                                "ConfigError: 6 layers do not split"],
     "03_tensor_parallel.py": ["= formula", "lecture: 0.82", "never gathered"],
     "09_multihost.py": ["all processes agree with the reference"],
 }

@@ -22,8 +22,8 @@ def start(args) -> list:
 
     from jaxpar import mesh
 
-    if args.devices < 1:
-        raise ConfigError(f"--devices {args.devices}: need at least 1 device, e.g. --devices 8")
+    if not 1 <= args.devices <= mesh.MAX_DEVICES:
+        raise ConfigError(f"--devices {args.devices}: give 1 to {mesh.MAX_DEVICES} devices, e.g. --devices 8")
     if args.platform == "cpu":
         jax.config.update("jax_platforms", "cpu")
     mesh.use_cpu_devices(args.devices)

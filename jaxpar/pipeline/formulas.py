@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxpar import errors
 from jaxpar.comms import Collectives
 from jaxpar.errors import ConfigError
 from jaxpar.pipeline import plan as plan_lib
@@ -41,6 +42,15 @@ def dualpipe_v_bubble(p: int, m: int) -> float:
     return bubble("dualpipe-v", p, m, 2)
 
 
+def _rows(batch_size, features, dp, m) -> int:
+    """Rows of one microbatch on one device; refuses sizes that are not whole or do not split."""
+    for name, value in (("batch_size", batch_size), ("features", features), ("dp", dp)):
+        errors.whole(name, value)
+    errors.divisible("batch_size", batch_size, "dp x microbatches", dp * m,
+                     why="each device runs batch_size/(dp*m) rows per microbatch", fix=f"a multiple of {dp * m}")
+    return batch_size // (dp * m)
+
+
 def pipeline_collectives(*, schedule: Schedule, batch_size: int, features: int, dtype, dp: int = 1,
                          param_bytes: int = 0) -> Collectives:
     """The collectives of one compiled step of `runtime.pipeline` (forward and backward are
@@ -54,7 +64,7 @@ def pipeline_collectives(*, schedule: Schedule, batch_size: int, features: int, 
       nothing else."""
     item = np.dtype(dtype).itemsize
     m = schedule.microbatches
-    act = batch_size // (dp * m) * features * item
+    act = _rows(batch_size, features, dp, m) * features * item
     permutes = plan_lib.plan(schedule).permutes
     out = {"collective-permute": (permutes, permutes * act)}
     if dp > 1:
@@ -69,7 +79,7 @@ def baseline_collectives(*, stages: int, microbatches: int, batch_size: int, fea
     transpose of each, 2(m+p-1) in all; with dp > 1 one all-reduce of the stage's parameter
     gradients and the loss."""
     item = np.dtype(dtype).itemsize
-    act = batch_size // (dp * microbatches) * features * item
+    act = _rows(batch_size, features, dp, microbatches) * features * item
     n = 2 * (microbatches + stages - 1) if stages > 1 else 0
     out = {"collective-permute": (n, n * act)}
     if dp > 1:

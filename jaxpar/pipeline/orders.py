@@ -225,6 +225,6 @@ REGISTRY: dict[str, Kind] = {k.name: k for k in (
 
 def lookup(name: str) -> Kind:
     """The registry entry of `name`, or ConfigError listing the known names."""
-    if name not in REGISTRY:
+    if not isinstance(name, str) or name not in REGISTRY:
         raise ConfigError(f"unknown schedule {name!r}; known: {', '.join(REGISTRY)}")
     return REGISTRY[name]

@@ -6,10 +6,12 @@ matplotlib is imported only when a PNG is asked for.
 
 from __future__ import annotations
 
+import os
 import string
 import textwrap
 from typing import TYPE_CHECKING
 
+from jaxpar.errors import ConfigError
 from jaxpar.pipeline import orders
 from jaxpar.pipeline.orders import Action
 
@@ -121,6 +123,9 @@ COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#8172b3"}
 def save_png(s: Schedule, path: str) -> None:
     """A timeline figure: one lane per device, one box per action, labelled microbatch
     (and chunk); colours F blue, B orange, W purple."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"path={path!r}: folder {folder!r} does not exist; create it or write elsewhere")
     import matplotlib
 
     matplotlib.use("Agg")

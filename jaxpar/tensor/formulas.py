@@ -16,10 +16,21 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxpar import errors
 from jaxpar.comms import Collectives
 
 if TYPE_CHECKING:  # read for its sizes only; importing it would start JAX
     from jaxpar.reference import ModelConfig
+
+
+def _sizes(batch_size, seq_len, dp, tp) -> int:
+    """Refuse sizes that are not whole numbers >= 1, or a batch that dp does not split;
+    return the batch one tp group sees, batch_size/dp."""
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("dp", dp), ("tp", tp)):
+        errors.whole(name, value)
+    errors.divisible("batch_size", batch_size, "dp", dp, why="each data-parallel group takes batch_size/dp rows",
+                     fix=f"a batch_size that is a multiple of {dp}")
+    return batch_size // dp
 
 
 def block_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -67,7 +78,7 @@ def tp_block_collectives(*, cfg: ModelConfig, batch_size: int, seq_len: int, dty
     With tp = 1 there are no tp collectives.
     """
     item = np.dtype(dtype).itemsize
-    act = batch_size // dp * seq_len * cfg.d_model * item
+    act = _sizes(batch_size, seq_len, dp, tp) * seq_len * cfg.d_model * item
     kv_rep = tp > 1 and cfg.n_kv_heads % tp != 0
     out: dict[str, tuple[int, int]] = {}
 
@@ -108,7 +119,7 @@ def embedding_collectives(*, cfg: ModelConfig, batch_size: int, seq_len: int, dt
     """vocab_parallel_embedding of tokens[batch_size, seq_len]: forward, g's all-reduce of the
     rows of every shard over tp, b*T*D (b = batch_size/dp); backward, a local scatter-add,
     and with dp > 1 the all-reduce over dp of this device's embedding gradient, V/t*D."""
-    item, b = np.dtype(dtype).itemsize, batch_size // dp
+    item, b = np.dtype(dtype).itemsize, _sizes(batch_size, seq_len, dp, tp)
     ops = []
     if tp > 1 and not backward:
         ops.append((1, b * seq_len * cfg.d_model * item))
@@ -124,7 +135,7 @@ def cross_entropy_collectives(*, cfg: ModelConfig, batch_size: int, seq_len: int
     sum of exp with the target's logit (XLA combines the two sums), 2 ops of 3*b*T
     elements; with dp > 1 the mean over dp, one scalar. Backward: none, softmax - onehot
     is local."""
-    item, b = np.dtype(dtype).itemsize, batch_size // dp
+    item, b = np.dtype(dtype).itemsize, _sizes(batch_size, seq_len, dp, tp)
     ops = []
     if not backward:
         if tp > 1:
@@ -141,7 +152,7 @@ def lm_loss_collectives(*, cfg: ModelConfig, batch_size: int, seq_len: int, dtyp
     all-reduce over dp of this device's unembed and final_norm gradients, (V/t + 1)*D."""
     if not backward:
         return cross_entropy_collectives(cfg=cfg, batch_size=batch_size, seq_len=seq_len, dtype=dtype, dp=dp, tp=tp)
-    item, b = np.dtype(dtype).itemsize, batch_size // dp
+    item, b = np.dtype(dtype).itemsize, _sizes(batch_size, seq_len, dp, tp)
     ops = []
     if tp > 1:
         ops.append((1, b * seq_len * cfg.d_model * item))

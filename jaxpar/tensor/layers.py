@@ -15,8 +15,9 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import reference
-from jaxpar.mesh import TP
+from jaxpar import errors, reference
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import TP, axis_size, require_mesh
 from jaxpar.tensor.ops import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
 
 
@@ -118,6 +119,14 @@ def row_split_gelu(x, a, *, mesh: Mesh):
     Returns (wrong, right): right all-reduces first, then applies GeLU (one more all-reduce
     than column-splitting A, which needs none).
     """
+    require_mesh(mesh, axes=(TP,), needed_by="row_split_gelu")
+    (B, D), (D2, F) = (errors.array("x", x, ndim=2, kinds="f", shape_doc="x[batch, d_model]"),
+                       errors.array("a", a, ndim=2, kinds="f", shape_doc="a[d_model, d_ff]"))
+    if D != D2:
+        raise ConfigError(f"x {(B, D)} and a {(D2, F)}: a's rows must be x's columns (x @ a)")
+    errors.divisible("d_model", D, "tp", axis_size(mesh, TP), why="A is split by rows over tp",
+                     fix=f"use d_model a multiple of {axis_size(mesh, TP)}")
+
     def body(x, a):                                    # x: [B, D/t], a: [D/t, F]
         partial_sum = x @ a                            # [B, F]{U_tp}
         wrong = jax.lax.psum(jax.nn.gelu(partial_sum, approximate=False), TP)

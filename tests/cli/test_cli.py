@@ -89,7 +89,7 @@ def test_unknown_tour_check_is_one_line_and_exit_2(capsys):
 
 def test_bad_device_count_is_one_line_and_exit_2(capsys):
     assert main(["verify", "comms", "--devices", "0"]) == 2
-    _assert_one_line_error(capsys, "verify", "--devices 0: need at least 1 device")
+    _assert_one_line_error(capsys, "verify", "--devices 0: give 1 to 65536 devices")
 
 
 def test_a_config_error_is_one_line_and_exit_2(monkeypatch, capsys):

@@ -10,13 +10,14 @@ import re
 from fractions import Fraction
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxpar.pipeline import schedule as S
 from jaxpar.pipeline.formulas import interleaved_bubble
 from jaxpar.pipeline.verify import LECTURE_TIMELINES
 from jaxpar.pipeline.viz import percent
+from tests.oracles import FAST, bubble, check_dependencies
 
 # The lecture text sits in shared/ beside the repository (a CI clone has a copy there too).
 SEED_NAME = "seed/000_c4f408be80accaec.txt"
@@ -45,41 +46,6 @@ GPipe（m = 8）：气泡 27.3%
   阶段 2：..01..aa2bb3cc4dd5ee6ff7gg.hh....
   阶段 3：...0aa1bb2cc3dd4ee5ff6gg7hh......""",
 }
-FAST = settings(max_examples=40, deadline=None)
-
-
-def bubble(s: S.Schedule) -> Fraction:
-    """Idle ticks / (devices x total time), counted from the occupancy, exactly."""
-    idle = sum(a is None for d in range(s.stages) for a in s.occupancy(d))
-    return Fraction(idle, s.stages * s.total_time)
-
-
-def check_dependencies(s: S.Schedule) -> None:
-    """An independent reading of the table: when does each action start and end?"""
-    start, end = {}, {}
-    for d in range(s.stages):
-        prev_end = 0
-        for t, a in s.program(d):
-            assert t >= prev_end, f"device {d} overlaps at tick {t}"
-            prev_end = t + s.costs[a.kind]
-            v_stage = d if a.chunk == 0 else 2 * s.stages - 1 - d  # down the devices, then up
-            key = (a.kind, a.microbatch, v_stage if s.name == "dualpipe-v" else a.chunk * s.stages + d)
-            assert key not in start
-            start[key], end[key] = t, prev_end
-    n = s.stages * s.chunks
-    kinds = "FBW" if s.split_backward else "FB"
-    assert set(start) == {(k, i, st) for k in kinds for i in range(s.microbatches) for st in range(n)}
-    for (kind, i, k), t in start.items():
-        if kind == "F" and k > 0:
-            assert t >= end["F", i, k - 1]
-        if kind == "B":
-            assert t >= end["F", i, k]
-            if k < n - 1:
-                assert t >= end["B", i, k + 1]
-        if kind == "W":
-            assert t >= end["B", i, k]
-
-
 # ---- the lecture's figures ------------------------------------------------------------
 
 

@@ -9,40 +9,13 @@ import re
 from fractions import Fraction
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxpar.cli.main import main
 from jaxpar.pipeline import schedule as S
 from jaxpar.pipeline.formulas import dualpipe_v_bubble
-
-FAST = settings(max_examples=40, deadline=None)
-
-
-def v_stage(p: int, device: int, chunk: int) -> int:
-    """Chunk 0 goes down the devices, chunk 1 comes back up."""
-    return device if chunk == 0 else 2 * p - 1 - device
-
-
-def check_dependencies(s: S.Schedule) -> None:
-    """Each action after its device's previous one and after its inputs, on the V mapping."""
-    start, end = {}, {}
-    for d in range(s.stages):
-        prev_end = 0
-        for t, a in s.program(d):
-            assert t >= prev_end
-            prev_end = t + s.costs[a.kind]
-            key = (a.kind, a.microbatch, v_stage(s.stages, d, a.chunk))
-            assert key not in start
-            start[key], end[key] = t, prev_end
-    n = 2 * s.stages
-    assert set(start) == {(k, i, j) for k in "FBW" for i in range(s.microbatches) for j in range(n)}
-    for (kind, i, k), t in start.items():
-        needs = {"F": [("F", i, k - 1)] if k else [],
-                 "B": [("F", i, k)] + ([("B", i, k + 1)] if k < n - 1 else []),
-                 "W": [("B", i, k)]}[kind]
-        assert all(t >= end[x] for x in needs), (kind, i, k)
-
+from tests.oracles import FAST, check_dependencies, v_stage
 
 # ---- the layout ------------------------------------------------------------------------
 

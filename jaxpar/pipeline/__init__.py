@@ -1,8 +1,9 @@
 """Pipeline parallelism (lecture section 2): schedules as data, and a runtime that executes
 any of them as one SPMD program.
 
-    schedule   the table actions[tick][device], its statistics and validator; `make`
-    orders     each schedule's device programs, and the one registry of schedule names
+    schedule   the table actions[tick][device] and its validator; `make`, `simulate`
+    stats      the statistics read off the table: bubble, peaks, sends
+    orders     each schedule's device programs, the one registry of schedule names, deadlocks
     viz        ASCII timeline (the lecture's alphabet), PNG, Chrome/Perfetto trace
     plan       a schedule as the integer tables the runtime indexes
     formulas   bubble fractions and the collectives of one step (pure Python)
@@ -15,6 +16,6 @@ any of them as one SPMD program.
     s = schedule.make("1f1b", stages=4, microbatches=8)
     loss, grads = runtime.run(s, runtime.layers(layer_fn), params, (inputs, targets), mesh=m)
 
-Importing this package imports nothing: `schedule`, `orders`, `viz`, `plan` and
+Importing this package imports nothing: `schedule`, `stats`, `orders`, `viz`, `plan` and
 `formulas` never import JAX, so `jaxpar schedule` starts at once.
 """

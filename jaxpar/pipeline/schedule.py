@@ -25,29 +25,14 @@ import dataclasses
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
 
 from jaxpar import errors
 from jaxpar.errors import ConfigError, is_whole
-from jaxpar.pipeline import orders, viz
-from jaxpar.pipeline.orders import Action
+from jaxpar.pipeline import orders, stats, viz
+from jaxpar.pipeline.orders import Action, find_deadlock
+from jaxpar.pipeline.stats import Send
 
-__all__ = ["Action", "Schedule", "ScheduleError", "Send", "make", "simulate", "KNOWN", "SPLIT"]
-
-
-class Send(NamedTuple):
-    """A point-to-point transfer: the output of F (activation, to the next stage) or of B
-    (input gradient, to the previous stage) of `microbatch`, ready at `tick` on `src`
-    (chunk `chunk`) and consumed from `needed_at` on `dst` (chunk `dst_chunk`)."""
-
-    tick: int
-    src: int
-    dst: int
-    kind: str
-    microbatch: int
-    chunk: int
-    dst_chunk: int
-    needed_at: int
+__all__ = ["Action", "Schedule", "ScheduleError", "Send", "find_deadlock", "make", "simulate", "KNOWN", "SPLIT"]
 
 
 class ScheduleError(ConfigError):
@@ -79,7 +64,7 @@ Key = tuple[str, int, int]  # (kind, microbatch, stage): one action, wherever it
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Schedule:
+class Schedule(stats.Statistics):
     """A pipeline schedule: p = `stages` devices, m = `microbatches`, v = `chunks` per
     device, per-kind `costs` in ticks, `split_backward` (B is input-gradient only, W the
     weight gradient), `actions[tick][device]` = the Action starting there, or None, and
@@ -202,78 +187,6 @@ class Schedule:
             return [("F", i, k)] + ([("B", i, k + 1)] if k < last else [])
         return [("B", i, k)]
 
-    # ---- statistics, all read off the table -----------------------------------------
-
-    @functools.cached_property
-    def busy_time(self) -> list[int]:
-        return [sum(self.cost(a) for _, a in p) for p in self._programs]
-
-    @functools.cached_property
-    def idle_time(self) -> list[int]:
-        """Idle ticks per device within [0, total_time)."""
-        return [self.total_time - b for b in self.busy_time]
-
-    @functools.cached_property
-    def bubble_fraction(self) -> float:
-        """Idle time / total time over all devices (the lecture's bubble)."""
-        return sum(self.idle_time) / (self.stages * self.total_time) if self.total_time else 0.0
-
-    @functools.cached_property
-    def steady_bubble_fraction(self) -> float:
-        """The bubble when steps run back to back and each device starts its next step as
-        soon as its own last action ends (Qi et al.'s optimizer post-validation): the
-        period is the longest per-device span from first start to last end."""
-        spans = [p[-1][0] + self.cost(p[-1][1]) - p[0][0] for p in self._programs if p]
-        period = max(spans, default=0)
-        return 1 - sum(self.busy_time) / (self.stages * period) if period else 0.0
-
-    def _peak(self, until: str) -> list[int]:
-        peaks = []
-        for d, prog in enumerate(self._programs):
-            events = []
-            for t, a in prog:
-                if a.kind == "F":
-                    events.append((t, 1))
-                elif a.kind == until:
-                    events.append((t + self.cost(a), -1))
-            live = peak = 0
-            for _, delta in sorted(events):  # at a tie, the free (-1) sorts before the new F
-                live += delta
-                peak = max(peak, live)
-            peaks.append(peak)
-        return peaks
-
-    @functools.cached_property
-    def peak_activations(self) -> list[int]:
-        """Per device, the most microbatch-chunks live at once (microbatches when v = 1; a
-        chunk's activation is 1/v of a stage's), from the start of its F to the end of its B
-        (input gradient)."""
-        return self._peak("B")
-
-    @functools.cached_property
-    def peak_in_flight(self) -> list[int]:
-        """Per device, the most microbatch-chunks whose weight gradient is still to come
-        (from F to the end of W; equals `peak_activations` without the backward split):
-        the slots for vjp residuals that the runtime keeps (`runtime_plan`)."""
-        return self._peak("W" if self.split_backward else "B")
-
-    @functools.cached_property
-    def sends(self) -> list[Send]:
-        """Every activation (F) and input gradient (B) that crosses devices, by tick; a
-        hand-over between two chunks of one device (the turn of the v layout) is none."""
-        out = []
-        for d, prog in enumerate(self._programs):
-            for t, a in prog:
-                k = self.stage_of(d, a.chunk)
-                nxt = k + 1 if a.kind == "F" else k - 1
-                if a.kind == "W" or not 0 <= nxt < self.virtual_stages:
-                    continue
-                dst, dst_chunk = self.device_of(nxt)
-                if dst != d:
-                    out.append(Send(t + self.cost(a), d, dst, a.kind, a.microbatch, a.chunk,
-                                    dst_chunk, self.start(a.kind, a.microbatch, nxt)))
-        return sorted(out)
-
     # ---- views --------------------------------------------------------------------
 
     def ascii(self) -> str:
@@ -374,39 +287,6 @@ def units(chunks: int) -> dict[str, str]:
     return {"time": f"ticks (costs per action on one chunk, 1/{chunks} of a stage; stage_time = "
                     f"total_time / {chunks})",
             "peaks": f"microbatch-chunks (each 1/{chunks} of a stage's activations)"}
-
-
-def find_deadlock(programs: Sequence[Sequence[Action]], shape: Schedule) -> list[tuple[int, Action]]:
-    """A cycle of the wait-for graph, as [(device, action), ...], or [] if none.
-
-    Each action waits for the one before it on its device and for the actions whose
-    results it receives (`Schedule.inputs`); a receive blocks until the producer ran.
-    Iterative depth-first search, so p=8, m=32, v=4 stays well under a millisecond a node."""
-    node = {shape._key(d, a): (d, j) for d, p in enumerate(programs) for j, a in enumerate(p)}
-
-    def waits_for(d: int, j: int) -> list[tuple[int, int]]:
-        out = [(d, j - 1)] if j else []
-        return out + [node[k] for k in shape.inputs(d, programs[d][j]) if k in node]
-
-    state: dict[tuple[int, int], int] = {}  # 1 on the DFS path, 2 done
-    for root in node.values():
-        if root in state:
-            continue
-        path, stack = [root], [iter(waits_for(*root))]
-        state[root] = 1
-        while stack:
-            nxt = next(stack[-1], None)
-            if nxt is None:
-                state[path.pop()] = 2
-                stack.pop()
-            elif state.get(nxt) == 1:
-                cycle = path[path.index(nxt):]
-                return [(d, programs[d][j]) for d, j in cycle]
-            elif nxt not in state:
-                state[nxt] = 1
-                path.append(nxt)
-                stack.append(iter(waits_for(*nxt)))
-    return []
 
 
 def simulate(name: str, stages: int, microbatches: int, chunks: int, costs: Mapping[str, int],

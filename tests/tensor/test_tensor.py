@@ -268,10 +268,13 @@ def test_tour_checks_of_tp_and_sp_are_ok():
     assert rows[0].collectives_match and rows[3].collectives_match and rows[0].tolerance == (2e-5, 2e-6)
 
 
-def test_verify_sp_on_6_devices():
-    """dp=3 x tp=2: the batch of the check is a multiple of dp (it once was a fixed 4)."""
+@pytest.mark.parametrize("devices, mesh, note", [(6, "dp=3 tp=2", None), (3, "dp=1 tp=2", "1 of 3 devices unused")])
+def test_verify_sp_on_other_device_counts(devices, mesh, note):
+    """6 devices: dp=3 x tp=2, the batch of the check a multiple of dp (it once was a fixed
+    4). 3 devices: tp=2 on 2 of them, and the row says the third is left out (it once ran
+    tp=1 silently)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "jaxpar", "verify", "sp", "--devices", "6"],
+    proc = subprocess.run([sys.executable, "-m", "jaxpar", "verify", "sp", "--devices", str(devices)],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "dp=3 tp=2" in proc.stdout
+    assert mesh in proc.stdout and (note is None or note in proc.stdout), proc.stdout

@@ -1,6 +1,6 @@
 """Collective accounting: what a compiled program really sends, read from its HLO.
 
-`collective_stats(fn, *args)` compiles `fn` (jit if it is not already), walks the
+`collective_stats(jitted_fn, *args)` compiles the jitted function for `args`, walks the
 optimised HLO module and, for each collective kind, returns how many times it runs
 and how many bytes it moves per execution of the program:
 

@@ -99,8 +99,9 @@ class Result:
       abs difference of that output, otherwise the quantity the note names.
     tolerance: (rtol, atol) the errors were held to (`tolerance(dtype)`), or None when
       the check is exact or of another kind (the note says which).
-    measured, expected: the compiled program's collectives and the formula's (None when
-      the check runs no program).
+    measured, expected: {program: Collectives}, what each compiled program ran and what
+      its formula says ("step"; or "fwd" and "bwd" when the forward and the backward are
+      compiled apart); None when the check runs no program.
     passed: the check's verdict: errors within tolerance and measured == expected.
     seconds: wall time, compile included (0: not timed; the runner fills it in).
     note: what the reader should know (the lecture's figure, the inputs, a caveat).
@@ -110,8 +111,8 @@ class Result:
     mesh: str = "-"
     errors: Mapping[str, float] = dataclasses.field(default_factory=dict)
     tolerance: tuple[float, float] | None = None
-    measured: comms.Collectives | None = None
-    expected: comms.Collectives | None = None
+    measured: Mapping[str, comms.Collectives] | None = None
+    expected: Mapping[str, comms.Collectives] | None = None
     passed: bool
     seconds: float = 0.0
     note: str = ""
@@ -125,13 +126,13 @@ class Result:
         """measured == expected, or None when the check has no formula to meet."""
         if self.measured is None or self.expected is None:
             return None
-        return self.measured == self.expected
+        return dict(self.measured) == dict(self.expected)
 
     def to_json(self) -> dict:
         return {"name": self.name, "mesh": self.mesh, "errors": dict(self.errors),
                 "tolerance": None if self.tolerance is None else {"rtol": self.tolerance[0],
                                                                   "atol": self.tolerance[1]},
-                "measured": None if self.measured is None else self.measured.to_json(),
-                "expected": None if self.expected is None else self.expected.to_json(),
+                "measured": None if self.measured is None else {k: c.to_json() for k, c in self.measured.items()},
+                "expected": None if self.expected is None else {k: c.to_json() for k, c in self.expected.items()},
                 "collectives_match": self.collectives_match, "passed": self.passed,
                 "seconds": self.seconds, "note": self.note}

@@ -76,5 +76,6 @@ def check_comms() -> Result:
     if rows_per_dev % n == 0:
         want["all-to-all"] = (1, block)
     want = comms.Collectives(want)
-    return Result(name=name, mesh=mesh_lib.describe(m), measured=got, expected=want, passed=got == want,
+    return Result(name=name, mesh=mesh_lib.describe(m), measured={"program": got}, expected={"program": want},
+                  passed=got == want,
                   note="counts and bytes of every kind, loop bodies x trip count")

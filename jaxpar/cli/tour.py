@@ -61,14 +61,21 @@ def run_checks(names: Iterable[str] | None = None) -> list[Result]:
     return results
 
 
+def _programs(collectives) -> str:
+    """'2 AR 64.0 KiB' for one program; 'fwd 2 AR 4.0 KiB | bwd 3 AR 13.2 KiB' for several."""
+    if len(collectives) == 1:
+        return next(iter(collectives.values())).format()
+    return " | ".join(f"{name} {c.format()}" for name, c in collectives.items())
+
+
 def collectives_cell(r: Result) -> str:
     """'2 AR 64.0 KiB = formula', '... != formula 3 AR ...', the measured alone, or '-'."""
     if r.measured is None:
-        return "-" if r.expected is None else f"formula {r.expected.format()}"
-    cell = r.measured.format()
+        return "-" if r.expected is None else f"formula {_programs(r.expected)}"
+    cell = _programs(r.measured)
     if r.expected is None:
         return cell
-    return cell + (" = formula" if r.measured == r.expected else f" != formula {r.expected.format()}")
+    return cell + (" = formula" if r.collectives_match else f" != formula {_programs(r.expected)}")
 
 
 HEADERS = ("technique", "mesh", "max error", "collectives", "time", "ok", "note")

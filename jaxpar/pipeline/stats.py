@@ -78,7 +78,7 @@ class Statistics:
     def peak_in_flight(self) -> list[int]:
         """Per device, the most microbatch-chunks whose weight gradient is still to come
         (from F to the end of W; equals `peak_activations` without the backward split):
-        the slots for vjp residuals that the runtime keeps (`runtime_plan`)."""
+        the slots for vjp residuals that the runtime keeps (`plan.py`)."""
         return self._peak("W" if self.split_backward else "B")
 
     @functools.cached_property

@@ -60,7 +60,8 @@ class Comparison:
 
     def result(self, note: str = "") -> Result:
         return Result(name=f"pipeline {self.name}", mesh=self.mesh, errors=self.errors, tolerance=self.tolerance,
-                      measured=self.measured, expected=self.expected, passed=self.within and self.collectives_match,
+                      measured={"step": self.measured}, expected={"step": self.expected},
+                      passed=self.within and self.collectives_match,
                       seconds=self.seconds, note=note or "loss, dx, every param grad vs unsharded; NaN in bubbles")
 
 
@@ -107,8 +108,8 @@ def compare(name: str, stages: int, microbatches: int, *, dp: int = 1, kind: str
 
 
 def check_runtime() -> list[Result]:
-    """The lecture's 8-layer MLP under 1F1B, interleaved, ZB-H2 and DualPipe-V (reference
-    blocks), on dp x pp when the devices allow."""
+    """`jaxpar verify pp`: the lecture's MLP under 1F1B, interleaved and DualPipe-V, and
+    reference transformer blocks under ZB-H2, on dp x pp where the devices allow."""
     n = len(jax.devices())
     p = 4 if n >= 4 else n
     dp = 2 if n >= 2 * p else 1

@@ -51,7 +51,7 @@ def test_verify_comms_json(capsys):
     assert set(rows[0]) == {"name", "mesh", "errors", "tolerance", "measured", "expected", "collectives_match",
                             "passed", "seconds", "note"}
     assert rows[0]["passed"] is True and rows[0]["mesh"] == "dp=8" and rows[0]["collectives_match"] is True
-    assert rows[0]["measured"]["collective-permute"] == {"count": 5, "bytes": 5 * 8 * 16 * 4}
+    assert rows[0]["measured"]["program"]["collective-permute"] == {"count": 5, "bytes": 5 * 8 * 16 * 4}
     assert rows[0]["measured"] == rows[0]["expected"]
 
 

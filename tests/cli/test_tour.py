@@ -16,14 +16,14 @@ AR = Collectives({"all-reduce": (2, 65536)})
 
 def _result(**kw):
     base = dict(name="TP block", mesh="dp=2 tp=4", errors={"y": 1.5e-6, "dx": 1e-7}, tolerance=(2e-5, 2e-6),
-                measured=AR, expected=AR, seconds=0.5, passed=True)
+                measured={"step": AR}, expected={"step": AR}, seconds=0.5, passed=True)
     return Result(**(base | kw))
 
 
 def test_format_table_aligns_columns_and_formats_figures():
     table = tour.format_table([_result(), _result(name="ring attention (zigzag)", mesh="cp=8",
-                                                  errors={"out": 3e-12}, measured=Collectives(
-                                                      {"collective-permute": (7, 16384)}),
+                                                  errors={"out": 3e-12}, measured={"step": Collectives(
+                                                      {"collective-permute": (7, 16384)})},
                                                   expected=None, seconds=12.25, passed=False, note="x64")])
     lines = table.splitlines()
     assert len(lines) == 4
@@ -44,8 +44,10 @@ def test_format_table_aligns_columns_and_formats_figures():
 
 
 def test_format_table_says_when_collectives_differ_and_when_nothing_was_compared():
-    r = _result(expected=Collectives({"all-reduce": (3, 65536)}), passed=False)
+    r = _result(expected={"step": Collectives({"all-reduce": (3, 65536)})}, passed=False)
     assert "2 AR 64.0 KiB != formula 3 AR 64.0 KiB" in tour.format_table([r])
+    two = _result(measured={"fwd": AR, "bwd": AR + AR}, expected={"fwd": AR, "bwd": AR + AR})
+    assert "fwd 2 AR 64.0 KiB | bwd 4 AR 128.0 KiB = formula" in tour.format_table([two])
     row = tour.format_table([Result(name="schedule", passed=True)]).splitlines()[2]
     assert row.split()[1:4] == ["-", "-", "-"]
 
@@ -60,7 +62,7 @@ def test_json_is_structured_data():
     (d,) = json.loads(tour.format_json([_result()]))
     assert d["errors"] == {"y": 1.5e-6, "dx": 1e-7}
     assert d["tolerance"] == {"rtol": 2e-5, "atol": 2e-6}
-    assert d["measured"] == d["expected"] == {"all-reduce": {"count": 2, "bytes": 65536}}
+    assert d["measured"] == d["expected"] == {"step": {"all-reduce": {"count": 2, "bytes": 65536}}}
     assert d["collectives_match"] is True and d["passed"] is True and d["mesh"] == "dp=2 tp=4"
 
 

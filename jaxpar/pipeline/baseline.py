@@ -17,7 +17,7 @@ from jaxpar.collectives import varying
 from jaxpar.mesh import DP, PP, axis_size, require_mesh
 from jaxpar.pipeline import schedule as schedule_lib
 from jaxpar.pipeline.runtime import Pipeline
-from jaxpar.pipeline.stage import mse, validate
+from jaxpar.pipeline.stage import mse, validate, validate_options
 
 
 def gpipe_baseline(stage_fn: Callable, params, batch, *, mesh, microbatches: int,
@@ -30,6 +30,7 @@ def gpipe_baseline(stage_fn: Callable, params, batch, *, mesh, microbatches: int
     p, dp = axis_size(mesh, PP), axis_size(mesh, DP)
     schedule = schedule_lib.make("gpipe", stages=p, microbatches=microbatches)
     validate(schedule, stage_fn, params, batch, mesh, loss_fn)
+    validate_options(bubble_fill=bubble_fill)
     m, has_dp = microbatches, dp > 1
     axes = (DP, PP) if has_dp else (PP,)
     chain = [(d, d + 1) for d in range(p - 1)]

@@ -62,6 +62,8 @@ def pipeline_collectives(*, schedule: Schedule, batch_size: int, features: int, 
       all-reduce          dp > 1 only: the stage's parameter gradients and the loss, summed
                           over dp once (XLA combines them: param_bytes/p + one loss scalar);
       nothing else."""
+    if not isinstance(schedule, Schedule):
+        raise ConfigError(f"schedule is a {type(schedule).__name__}, not a Schedule: schedule.make(...)")
     item = np.dtype(dtype).itemsize
     m = schedule.microbatches
     act = _rows(batch_size, features, dp, m) * features * item
@@ -78,6 +80,8 @@ def baseline_collectives(*, stages: int, microbatches: int, batch_size: int, fea
     m+p-1 forward steps, each a ppermute of one microbatch's activation, and autodiff's
     transpose of each, 2(m+p-1) in all; with dp > 1 one all-reduce of the stage's parameter
     gradients and the loss."""
+    errors.whole("stages", stages)
+    errors.whole("microbatches", microbatches)
     item = np.dtype(dtype).itemsize
     act = _rows(batch_size, features, dp, microbatches) * features * item
     n = 2 * (microbatches + stages - 1) if stages > 1 else 0

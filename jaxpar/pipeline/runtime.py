@@ -49,7 +49,7 @@ from jaxpar.pipeline import plan as plan_lib
 from jaxpar.pipeline.plan import F as FIELD
 from jaxpar.pipeline.plan import LANES
 from jaxpar.pipeline.schedule import Schedule
-from jaxpar.pipeline.stage import Grads, from_stages, layers, mse, to_stages, unstack, validate
+from jaxpar.pipeline.stage import Grads, from_stages, layers, mse, to_stages, unstack, validate, validate_options
 
 __all__ = ["Grads", "Pipeline", "from_stages", "layers", "mse", "pipeline", "run", "run_pipeline", "to_stages"]
 
@@ -214,6 +214,7 @@ def pipeline(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, los
     """Check everything (ConfigError before compiling) and build the jitted step; `params`
     and `batch` may be arrays or ShapeDtypeStructs (only their shapes are used)."""
     n_layers, rows = validate(schedule, stage_fn, params, batch, mesh, loss_fn)
+    validate_options(recompute=recompute, input_grads=input_grads, bubble_fill=bubble_fill)
     plan = plan_lib.plan(schedule)
     p, v, m, dp = schedule.stages, schedule.chunks, schedule.microbatches, axis_size(mesh, DP)
     inputs, targets = batch

@@ -70,6 +70,16 @@ def unstack(stacked) -> list:
 
 # ---- the checks a request passes, and the layout of the layers over the stages ----------
 
+def validate_options(*, recompute=False, input_grads=True, bubble_fill=0.0) -> None:
+    """Refuse runtime options of the wrong type (recompute, input_grads bools; bubble_fill
+    a real number, NaN allowed: it marks the slots nothing reads)."""
+    errors.flag("recompute", recompute)
+    errors.flag("input_grads", input_grads)
+    if isinstance(bubble_fill, bool) or not isinstance(bubble_fill, (int, float, np.floating, np.integer)):
+        raise ConfigError(f"bubble_fill={bubble_fill!r}: give a number (0.0, or float('nan') to show that "
+                          "nothing reads an unused slot)")
+
+
 def validate(schedule: Schedule, stage_fn: Callable, params, batch, mesh, loss_fn: Callable) -> tuple[int, int]:
     """Refuse (ConfigError: value, constraint, fix) anything `schedule` cannot run on `mesh`
     with these params and batch; return (layers, local batch rows per microbatch). Shapes
@@ -120,6 +130,10 @@ def validate(schedule: Schedule, stage_fn: Callable, params, batch, mesh, loss_f
 def to_stages(params, schedule: Schedule):
     """[L, ...] leaves -> [p, v, L/(p v), ...]: entry [d, c] holds stage stage_of(d, c)."""
     p, v = schedule.stages, schedule.chunks
+    for a in jax.tree.leaves(params):
+        if not getattr(a, "ndim", 0) or a.shape[0] % (p * v):
+            raise ConfigError(f"a params leaf of shape {tuple(getattr(a, 'shape', ()))} does not split into "
+                              f"p*v = {p}*{v} = {p * v} stages on its leading (layer) axis")
     order = np.array([[schedule.stage_of(d, c) for c in range(v)] for d in range(p)])
 
     def one(a):
@@ -175,10 +189,10 @@ def block_params(cfg: reference.ModelConfig, dtype=jnp.float32, seed: int = 0) -
     return reference.init_params(jax.random.key(seed), cfg, dtype)["blocks"]
 
 
-def block_batch(rows: int, cfg: reference.ModelConfig, seq: int = 8, dtype=jnp.float32, seed: int = 1):
+def block_batch(rows: int, cfg: reference.ModelConfig, seq_len: int = 8, dtype=jnp.float32, seed: int = 1):
     """(inputs, targets), both [rows, seq, D]: activations in, a regression target out."""
     rng = np.random.default_rng(seed)
-    shape = (rows, seq, cfg.d_model)
+    shape = (rows, seq_len, cfg.d_model)
     return jnp.asarray(rng.standard_normal(shape), dtype), jnp.asarray(rng.standard_normal(shape), dtype)
 
 

@@ -71,7 +71,7 @@ def model(kind: str, n_layers: int, rows: int, dtype=jnp.float32, width: int = 3
         return stage.mlp_stage, stage.mlp_params(n_layers, width, dtype), stage.mlp_batch(rows, width, dtype)
     cfg = reference.ModelConfig(n_layers=n_layers, d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=32,
                                 mlp="swiglu")
-    return stage.block_stage(cfg), stage.block_params(cfg, dtype), stage.block_batch(rows, cfg, seq=4, dtype=dtype)
+    return stage.block_stage(cfg), stage.block_params(cfg, dtype), stage.block_batch(rows, cfg, seq_len=4, dtype=dtype)
 
 
 def expected_collectives(pipe: runtime.Pipeline, params, batch):

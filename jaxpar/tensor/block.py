@@ -69,6 +69,8 @@ class TPSpecs:
                  data_axis: str | None = None) -> "TPSpecs":
         """Megatron's layout. With tp = 1 nothing is split (XLA would keep collectives
         over a size-1 axis)."""
+        errors.whole("n_kv_heads", n_kv_heads)
+        errors.whole("tp", tp)
         t = TP if tp > 1 else None
         kv = P(None, t, None) if n_kv_heads % tp == 0 else P()
         return cls(wq_dnh=P(None, t, None), wk_dkh=kv, wv_dkh=kv, wo_nhd=P(t, None, None),

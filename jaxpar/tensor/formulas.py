@@ -18,14 +18,17 @@ import numpy as np
 
 from jaxpar import errors
 from jaxpar.comms import Collectives
+from jaxpar.errors import ConfigError
 
 if TYPE_CHECKING:  # read for its sizes only; importing it would start JAX
     from jaxpar.reference import ModelConfig
 
 
-def _sizes(batch_size, seq_len, dp, tp) -> int:
-    """Refuse sizes that are not whole numbers >= 1, or a batch that dp does not split;
-    return the batch one tp group sees, batch_size/dp."""
+def _sizes(batch_size, seq_len, dp, tp, cfg) -> int:
+    """Refuse sizes that are not whole numbers >= 1, a batch that dp does not split, or a
+    cfg without a model's sizes; return the batch one tp group sees, batch_size/dp."""
+    if not all(hasattr(cfg, k) for k in ("d_model", "n_heads", "n_kv_heads", "vocab", "d_ff")):
+        raise ConfigError(f"cfg is a {type(cfg).__name__}, not a reference.ModelConfig")
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("dp", dp), ("tp", tp)):
         errors.whole(name, value)
     errors.divisible("batch_size", batch_size, "dp", dp, why="each data-parallel group takes batch_size/dp rows",
@@ -78,7 +81,7 @@ def tp_block_collectives(*, cfg: ModelConfig, batch_size: int, seq_len: int, dty
     With tp = 1 there are no tp collectives.
     """
     item = np.dtype(dtype).itemsize
-    act = _sizes(batch_size, seq_len, dp, tp) * seq_len * cfg.d_model * item
+    act = _sizes(batch_size, seq_len, dp, tp, cfg) * seq_len * cfg.d_model * item
     kv_rep = tp > 1 and cfg.n_kv_heads % tp != 0
     out: dict[str, tuple[int, int]] = {}
 
@@ -119,7 +122,7 @@ def embedding_collectives(*, cfg: ModelConfig, batch_size: int, seq_len: int, dt
     """vocab_parallel_embedding of tokens[batch_size, seq_len]: forward, g's all-reduce of the
     rows of every shard over tp, b*T*D (b = batch_size/dp); backward, a local scatter-add,
     and with dp > 1 the all-reduce over dp of this device's embedding gradient, V/t*D."""
-    item, b = np.dtype(dtype).itemsize, _sizes(batch_size, seq_len, dp, tp)
+    item, b = np.dtype(dtype).itemsize, _sizes(batch_size, seq_len, dp, tp, cfg)
     ops = []
     if tp > 1 and not backward:
         ops.append((1, b * seq_len * cfg.d_model * item))
@@ -135,7 +138,7 @@ def cross_entropy_collectives(*, cfg: ModelConfig, batch_size: int, seq_len: int
     sum of exp with the target's logit (XLA combines the two sums), 2 ops of 3*b*T
     elements; with dp > 1 the mean over dp, one scalar. Backward: none, softmax - onehot
     is local."""
-    item, b = np.dtype(dtype).itemsize, _sizes(batch_size, seq_len, dp, tp)
+    item, b = np.dtype(dtype).itemsize, _sizes(batch_size, seq_len, dp, tp, cfg)
     ops = []
     if not backward:
         if tp > 1:
@@ -152,7 +155,7 @@ def lm_loss_collectives(*, cfg: ModelConfig, batch_size: int, seq_len: int, dtyp
     all-reduce over dp of this device's unembed and final_norm gradients, (V/t + 1)*D."""
     if not backward:
         return cross_entropy_collectives(cfg=cfg, batch_size=batch_size, seq_len=seq_len, dtype=dtype, dp=dp, tp=tp)
-    item, b = np.dtype(dtype).itemsize, _sizes(batch_size, seq_len, dp, tp)
+    item, b = np.dtype(dtype).itemsize, _sizes(batch_size, seq_len, dp, tp, cfg)
     ops = []
     if tp > 1:
         ops.append((1, b * seq_len * cfg.d_model * item))

@@ -137,11 +137,12 @@ def row_split_gelu(x, a, *, mesh: Mesh):
                          out_specs=(P(), P()))(x, a)
 
 
-def row_split_gelu_error(*, mesh: Mesh, batch: int = 16, d_model: int = 64, d_ff: int = 256,
+def row_split_gelu_error(*, mesh: Mesh, batch_size: int = 16, d_model: int = 64, d_ff: int = 256,
                          seed: int = 0) -> float:
-    """Max |psum(GeLU(partial sums)) - GeLU(X A)| for X ~ N(0, 1), A ~ N(0, 1/D) (lecture: 0.82)."""
+    """Max |psum(GeLU(partial sums)) - GeLU(X A)| for X[batch_size, d_model] ~ N(0, 1),
+    A ~ N(0, 1/D) (lecture: 0.82)."""
     kx, ka = jax.random.split(jax.random.PRNGKey(seed))
-    x = jax.random.normal(kx, (batch, d_model))
+    x = jax.random.normal(kx, (batch_size, d_model))
     a = jax.random.normal(ka, (d_model, d_ff)) / np.sqrt(d_model)
     wrong, _ = row_split_gelu(x, a, mesh=mesh)
     return float(jnp.max(jnp.abs(wrong - jax.nn.gelu(x @ a, approximate=False))))

@@ -163,6 +163,8 @@ def vocab_parallel_lm_loss(x, final_norm, unembed, targets, *, mesh: Mesh, cfg: 
     targets: int[B_dp, T] in [0, V) (checked when concrete). Returns the mean loss,
     replicated; gradients come back sharded like the inputs.
     """
+    if not isinstance(cfg, reference.ModelConfig):
+        raise ConfigError(f"cfg is a {type(cfg).__name__}, not a reference.ModelConfig (the LM head reads norm_eps)")
     D, V = errors.array("unembed", unembed, ndim=2, kinds="f", shape_doc="unembed[d_model, vocab]")
     xs = errors.array("x", x, kinds="f", shape_doc="x[batch, seq, d_model]")
     gs = errors.array("final_norm", final_norm, kinds="f", shape_doc="final_norm[d_model]")

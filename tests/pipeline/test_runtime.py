@@ -13,7 +13,7 @@ the schedule it executes.
 * ValueError, before anything is compiled, for input that does not fit;
 * to_stages / from_stages for both layouts, and a hypothesis property over drawn cases.
 
-Each runtime_checks.compare compiles one program (seconds), so every case is compiled
+Each verify.compare compiles one program (seconds), so every case is compiled
 once per process (`_compare` caches) and the sweep holds only the cases the issue lists.
 """
 
@@ -31,13 +31,13 @@ from jaxpar import comms
 from jaxpar.errors import ConfigError
 from jaxpar import mesh as mesh_lib
 from jaxpar.pipeline import baseline, formulas, runtime, schedule, stage
-from jaxpar.pipeline import plan as runtime_plan
-from jaxpar.pipeline import verify as runtime_checks
+from jaxpar.pipeline import plan as plan_lib
+from jaxpar.pipeline import verify
 from jaxpar.testing import assert_close, tolerance
 
-F32_RELATIVE = 1e-5      # the issue's "about 1e-5 relative" (runtime_checks.row uses it too)
+F32_RELATIVE = 1e-5      # the issue's "about 1e-5 relative" (verify.compare reports it)
 F64_RELATIVE = 1e-9      # the issue's float64 bound
-WIDTH = 32               # runtime_checks.model's MLP width
+WIDTH = 32               # verify.model's MLP width
 ROWS_PER_MB = 2          # compare(): rows = 2 * m * dp, so 2 rows per microbatch and dp shard
 
 
@@ -72,11 +72,11 @@ def by_hand_permutes(name: str, p: int, m: int) -> int | None:
 
 @functools.cache
 def _compare(name, p, m, dp=1, recompute=False, kind="mlp", n_layers=None, dtype=jnp.float32):
-    return runtime_checks.compare(name, p, m, dp=dp, recompute=recompute, kind=kind, n_layers=n_layers,
+    return verify.compare(name, p, m, dp=dp, recompute=recompute, kind=kind, n_layers=n_layers,
                                   dtype=dtype)
 
 
-def assert_matches(c: runtime_checks.Comparison, bound: float = F32_RELATIVE):
+def assert_matches(c: verify.Comparison, bound: float = F32_RELATIVE):
     assert all(math.isfinite(e) for e in c.errors.values()), (c.name, c.errors)
     assert c.relative < bound, (c.name, c.mesh, c.errors, c.relative)
     assert c.measured == c.expected, (c.name, c.mesh, c.measured, c.expected)
@@ -103,7 +103,7 @@ VALID = [case for case in SWEEP if rejection(*case) is None]
 def program_key(s: schedule.Schedule) -> tuple:
     """Everything runtime.pipeline reads from a schedule besides its name: two schedules
     with equal keys compile to the same program."""
-    plan = runtime_plan.plan(s)
+    plan = plan_lib.plan(s)
     return (s.stages, s.microbatches, s.chunks, s.layout, s.split_backward, plan.table.shape, plan.table.tobytes(),
             plan.segments, tuple(sorted(plan.pairs.items())), plan.f_branches, plan.b_branches, plan.channels,
             plan.n_x, plan.n_g, plan.n_res)
@@ -124,7 +124,7 @@ def test_schedule_matches_unsharded_and_its_collectives(name, p, m):
         with pytest.raises(ValueError, match=why):
             schedule.make(name, stages=p, microbatches=m)
         with pytest.raises(ValueError, match=why):
-            runtime_checks.compare(name, p, m)
+            verify.compare(name, p, m)
         return
     s = schedule.make(name, stages=p, microbatches=m)
     if representative(name, p, m) != (name, p, m):
@@ -135,7 +135,7 @@ def test_schedule_matches_unsharded_and_its_collectives(name, p, m):
         return
     c = _compare(name, p, m, n_layers=s.virtual_stages)  # one layer per stage: a shorter compile
     assert_matches(c)
-    permutes = runtime_plan.plan(s).permutes
+    permutes = plan_lib.plan(s).permutes
     assert c.measured == {"collective-permute": (permutes, permutes * act_bytes())}
     hand = by_hand_permutes(name, p, m)
     if hand is not None:
@@ -159,10 +159,10 @@ F64_CASES = [("naive", 2, 2, 1), ("gpipe", 4, 4, 2), ("1f1b", 4, 4, 1), ("interl
 @pytest.mark.parametrize("name,p,m,dp", cases(F64_CASES))
 def test_schedule_matches_unsharded_in_float64(x64, name, p, m, dp):
     s = schedule.make(name, stages=p, microbatches=m)
-    c = runtime_checks.compare(name, p, m, dp=dp, dtype=jnp.float64, n_layers=s.virtual_stages)
+    c = verify.compare(name, p, m, dp=dp, dtype=jnp.float64, n_layers=s.virtual_stages)
     assert_matches(c, F64_RELATIVE)
     assert c.relative < tolerance(jnp.float64)[0], c.errors  # the project's float64 rule, tighter
-    n = runtime_plan.plan(s).permutes
+    n = plan_lib.plan(s).permutes
     expected = {"collective-permute": (n, n * act_bytes(8))}
     if dp > 1:  # one layer per chunk: w [W, W] and b [W], and the loss
         expected["all-reduce"] = (1, s.chunks * (WIDTH * WIDTH + WIDTH) * 8 + 8)
@@ -182,7 +182,7 @@ def test_dp_x_pp_all_reduces_gradients_over_dp(name, p, m):
     assert c.mesh == f"dp=2 pp={p}"
     assert_matches(c)
     s = schedule.make(name, stages=p, microbatches=m)
-    n = runtime_plan.plan(s).permutes
+    n = plan_lib.plan(s).permutes
     # one all-reduce over dp: each device's 2 layers per chunk (w [W, W], b [W]) and the loss
     grad_bytes = 2 * s.chunks * (WIDTH * WIDTH + WIDTH) * 4
     assert c.measured == {"all-reduce": (1, grad_bytes + 4), "collective-permute": (n, n * act_bytes())}
@@ -193,7 +193,7 @@ def test_recompute_gives_the_same_results(name, p, m):
     """B (and W, split) run the stage's forward again from its stored input."""
     c = _compare(name, p, m, recompute=True)
     assert_matches(c)
-    n = runtime_plan.plan(schedule.make(name, stages=p, microbatches=m)).permutes
+    n = plan_lib.plan(schedule.make(name, stages=p, microbatches=m)).permutes
     assert c.measured == {"collective-permute": (n, n * act_bytes())}  # recompute moves nothing more
 
 
@@ -214,7 +214,7 @@ def test_plain_stage_function_keeps_its_own_residuals():
         return x
 
     s = schedule.make("zb-h1", stages=2, microbatches=2)
-    _, params, batch = runtime_checks.model("mlp", 2 * s.virtual_stages, ROWS_PER_MB * 2)
+    _, params, batch = verify.model("mlp", 2 * s.virtual_stages, ROWS_PER_MB * 2)
     loss, grads = runtime.run(s, stage_fn, params, batch, mesh=pp_mesh(2), bubble_fill=math.nan)
     ref_loss, ref = stage.unsharded(stage_fn, params, batch)
     assert_close((loss, grads.params, grads.inputs), (ref_loss, ref.params, ref.inputs))
@@ -224,7 +224,7 @@ def test_plain_stage_function_keeps_its_own_residuals():
 
 def _mlp_case(name, p, m):
     s = schedule.make(name, stages=p, microbatches=m)
-    stage_fn, params, batch = runtime_checks.model("mlp", 2 * s.virtual_stages, ROWS_PER_MB * m)
+    stage_fn, params, batch = verify.model("mlp", 2 * s.virtual_stages, ROWS_PER_MB * m)
     return s, stage_fn, params, batch
 
 
@@ -271,7 +271,7 @@ def test_gpipe_baseline_nan_bubbles_and_collectives(p, m):
 
 def test_gpipe_baseline_error_on_dp_x_pp():
     # gpipe_baseline_error fills bubbles with NaN; an absolute error, on values of order 1
-    assert runtime_checks.gpipe_baseline_error(p=2, m=4, dp=2) < 1e-5
+    assert verify.gpipe_baseline_error(p=2, m=4, dp=2) < 1e-5
 
 
 # ---- the plan: every transfer carried, residual slots = the schedule's peak -----------------
@@ -286,11 +286,11 @@ def test_plan_carries_every_send_in_peak_residual_slots(name):
     assert drawn
     for _, p, m in drawn:
         s = schedule.make(name, stages=p, microbatches=m)
-        plan = runtime_plan.plan(s)
+        plan = plan_lib.plan(s)
         assert plan.transfers == len(s.sends), (name, p, m)
         assert plan.n_res == max(s.peak_in_flight), (name, p, m)
         # every (step, device) of the table is one of the schedule's actions or idle, once each
-        runs = sum(int(plan.table[j, d, runtime_plan.F[f]] > 0)
+        runs = sum(int(plan.table[j, d, plan_lib.F[f]] > 0)
                    for j in range(plan.steps) for d in range(p) for f in ("f_branch", "b_branch"))
         assert runs == sum(len(s.program(d)) for d in range(p)), (name, p, m)
         if p == 1:
@@ -299,17 +299,17 @@ def test_plan_carries_every_send_in_peak_residual_slots(name):
 
 
 def test_plan_counts_by_hand():
-    assert runtime_plan.plan(schedule.make("1f1b", stages=4, microbatches=8)).permutes == 29
-    assert runtime_plan.plan(schedule.make("gpipe", stages=4, microbatches=8)).permutes == 20
+    assert plan_lib.plan(schedule.make("1f1b", stages=4, microbatches=8)).permutes == 29
+    assert plan_lib.plan(schedule.make("gpipe", stages=4, microbatches=8)).permutes == 20
     for p in (2, 3, 4, 5):
         for m in (1, 2, 3, 4, 7, 8):
             for name in ("gpipe", "naive"):
-                plan = runtime_plan.plan(schedule.make(name, stages=p, microbatches=m))
+                plan = plan_lib.plan(schedule.make(name, stages=p, microbatches=m))
                 assert plan.permutes == by_hand_permutes(name, p, m), (name, p, m)
             # residual slots by hand: GPipe keeps all m, 1F1B at most p (device 0), naive 1
-            assert runtime_plan.plan(schedule.make("gpipe", stages=p, microbatches=m)).n_res == m
-            assert runtime_plan.plan(schedule.make("1f1b", stages=p, microbatches=m)).n_res == min(m, p)
-            assert runtime_plan.plan(schedule.make("naive", stages=p, microbatches=m)).n_res == 1
+            assert plan_lib.plan(schedule.make("gpipe", stages=p, microbatches=m)).n_res == m
+            assert plan_lib.plan(schedule.make("1f1b", stages=p, microbatches=m)).n_res == min(m, p)
+            assert plan_lib.plan(schedule.make("naive", stages=p, microbatches=m)).n_res == 1
 
 
 # ---- bad input: ValueError before compiling, naming the value ---------------------------
@@ -326,7 +326,7 @@ def no_compile(monkeypatch):
 def _bad_run(name="1f1b", p=2, m=4, *, n_layers=None, rows=None, target_rows=None, mesh=None, stage_fn=None,
              chunks=None):
     s = schedule.make(name, stages=p, microbatches=m, chunks=chunks)
-    fn, params, (inputs, targets) = runtime_checks.model("mlp", n_layers or 2 * s.virtual_stages,
+    fn, params, (inputs, targets) = verify.model("mlp", n_layers or 2 * s.virtual_stages,
                                                          rows or ROWS_PER_MB * m)
     if target_rows is not None:
         targets = targets[:target_rows]
@@ -373,7 +373,7 @@ def test_targets_with_another_row_count(no_compile):
 
 def test_more_bad_input_is_refused_before_compiling(no_compile):
     s = schedule.make("1f1b", stages=2, microbatches=4)
-    fn, params, (inputs, targets) = runtime_checks.model("mlp", 4, 8)
+    fn, params, (inputs, targets) = verify.model("mlp", 4, 8)
     run = lambda **kw: runtime.run(kw.pop("s", s), kw.pop("fn", fn), kw.pop("params", params),
                                    kw.pop("batch", (inputs, targets)), mesh=pp_mesh(2), **kw)
     cases = [
@@ -389,16 +389,23 @@ def test_more_bad_input_is_refused_before_compiling(no_compile):
         (dict(loss_fn="mse"), r"loss_fn='mse' is not callable"),
         (dict(fn=None), r"stage_fn=None is not callable"),
         (dict(s="1f1b"), r"schedule is a str, not a Schedule.*schedule.make"),
+        (dict(recompute="yes"), r"recompute='yes' is a str: give True or False"),
+        (dict(input_grads=None), r"input_grads=None is a NoneType: give True or False"),
+        (dict(bubble_fill="nan"), r"bubble_fill='nan': give a number"),
     ]
     for kw, match in cases:
         with pytest.raises(ConfigError, match=match):
             run(**kw)
     with pytest.raises(ConfigError, match=r"mesh=.* is a str, not a jax.sharding.Mesh"):
         runtime.run(s, fn, params, (inputs, targets), mesh="pp=2")
+    with pytest.raises(ConfigError, match=r"shape \(3, 32, 32\) does not split into p\*v = 2\*1 = 2 stages"):
+        runtime.to_stages({"w": params["w"][:3]}, s)
+    with pytest.raises(ConfigError, match="schedule is a str, not a Schedule"):
+        formulas.pipeline_collectives(schedule="1f1b", batch_size=8, features=32, dtype=jnp.float32)
 
 
 def test_gpipe_baseline_rejects_bad_input_too(no_compile):
-    stage_fn, params, batch = runtime_checks.model("mlp", 6, 8)
+    stage_fn, params, batch = verify.model("mlp", 6, 8)
     with pytest.raises(ValueError, match=r"6 layers do not split into p\*v = 4\*1 = 4 stages"):
         baseline.gpipe_baseline(stage_fn, params, batch, mesh=pp_mesh(4), microbatches=4)
     with pytest.raises(ValueError, match=r"batch of 8 rows does not split into dp=1 x microbatches=3"):

@@ -96,6 +96,19 @@ def test_formulas_refuse_a_batch_dp_does_not_split():
         tensor.embedding_collectives(cfg=cfg, batch_size=2, seq_len=0, dtype=jnp.float32)
 
 
+def test_specs_and_formulas_refuse_what_is_not_a_config():
+    with pytest.raises(ConfigError, match="n_kv_heads=0: need at least 1"):
+        tensor.TPSpecs.megatron(n_kv_heads=0, tp=4)
+    with pytest.raises(ConfigError, match="tp=0: need at least 1"):
+        tensor.TPSpecs.megatron(n_kv_heads=4, tp=0)
+    with pytest.raises(ConfigError, match="cfg is a NoneType, not a reference.ModelConfig"):
+        tensor.tp_block_collectives(cfg=None, batch_size=2, seq_len=8, dtype=jnp.float32)
+    m = mesh_lib.make_mesh(dp=2, tp=4)
+    with pytest.raises(ConfigError, match="cfg is a NoneType"):
+        tensor.vocab_parallel_lm_loss(jnp.zeros((2, 3, 32)), jnp.ones(32), jnp.zeros((32, 64)),
+                                      jnp.zeros((2, 3), jnp.int32), mesh=m, cfg=None)
+
+
 def test_row_split_gelu_refusals():
     m = mesh_lib.make_mesh(dp=2, tp=4)
     with pytest.raises(ConfigError, match="d_model=6 is not divisible by tp=4"):

@@ -2,10 +2,12 @@
 
     python examples/00_foundations.py
 
-Runs on 8 fake CPU devices unless XLA_FLAGS sets another count. Shows: a named mesh and
-the clear error of a wrong one; the reference model's loss and its attention against
-JAX's own; and `comms.collective_stats` reading a compiled data-parallel step whose
-collectives we know in advance (one all-reduce of the gradients, counted and weighed).
+Runs on 8 fake CPU devices unless XLA_FLAGS sets another count. Shows: a named mesh;
+bad input refused before any compute, each with a ConfigError naming the value, the
+constraint and a fix; the reference model's loss and its attention against JAX's own;
+`comms.collective_stats` reading a compiled data-parallel step whose collectives we know
+in advance (one all-reduce of the gradients, counted and weighed); and the structured
+Result a check returns (`jaxpar verify comms --json` prints the same).
 """
 
 from jaxpar import mesh
@@ -16,7 +18,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxpar import comms, reference  # noqa: E402
+from jaxpar import comms, reference, verify  # noqa: E402
+from jaxpar.errors import ConfigError  # noqa: E402
+from jaxpar.pipeline import schedule  # noqa: E402
 from jaxpar.testing import max_abs_diff  # noqa: E402
 
 
@@ -25,10 +29,18 @@ def main():
     print(f"{len(devices)} {devices[0].platform} devices")
     m = mesh.make_mesh(dp=len(devices))
     print("mesh:", mesh.describe(m), m.axis_types)
-    try:
-        mesh.make_mesh(dp=3, tp=2)
-    except ValueError as e:
-        print("a wrong mesh is refused before any compute:\n  ", e)
+    print("\nbad input is refused before any compute, with a ConfigError (a ValueError):")
+    for what, call in [("mesh.make_mesh(dp=3, tp=2)", lambda: mesh.make_mesh(dp=3, tp=2)),
+                       ("ModelConfig(n_kv_heads=0)", lambda: reference.ModelConfig(n_kv_heads=0)),
+                       ("ModelConfig(head_dim='4')", lambda: reference.ModelConfig(head_dim="4")),
+                       ("schedule.make('1f1b', 4, 8, costs=[1, 2])",
+                        lambda: schedule.make("1f1b", 4, 8, costs=[1, 2])),
+                       ("schedule.make('1f1b', 999999999, 1)", lambda: schedule.make("1f1b", 999999999, 1))]:
+        try:
+            call()
+            print(f"  {what}: accepted (FAIL)")
+        except ConfigError as e:
+            print(f"  {what}:\n    {e}")
 
     cfg = reference.ModelConfig(n_kv_heads=2)  # grouped-query attention: 8 query heads, 2 KV heads
     params = reference.init_params(jax.random.PRNGKey(0), cfg)
@@ -58,6 +70,11 @@ def main():
     print(f"  all-reduced bytes {stats['all-reduce']['bytes']} = parameter bytes {param_bytes}: "
           f"{stats['all-reduce']['bytes'] == param_bytes}")
     print(f"  each device sends 2(n-1)/n of that on a ring: {stats['all-reduce']['wire_bytes']:.0f} bytes")
+
+    result = verify.check_comms()
+    print(f"\nthe Result of a check ({result.name}): passed={result.passed}, collectives match the formula: "
+          f"{result.collectives_match}")
+    print(f"  measured {result.measured['program'].format()}")
 
 
 if __name__ == "__main__":

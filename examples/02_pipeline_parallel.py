@@ -14,7 +14,7 @@ Runs on 8 fake CPU devices unless XLA_FLAGS sets another count. Mirrors the lect
   demo 3  the SPMD steps the runtime runs for 1F1B (backward lane, then forward lane);
   demo 4  compiled temp memory as m grows at a fixed microbatch: 1F1B flat, the GPipe
           baseline (forward scan + autodiff) growing with m;
-  demo 5  bad input: a ValueError before anything compiles.
+  demo 5  bad input: a ConfigError before anything compiles.
 Step time against m (the lecture's "m = 4 was fastest") is a benchmark:
 `python -m benchmarks.pipeline`.
 """

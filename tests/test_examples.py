@@ -15,7 +15,9 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 
 # example -> lines (substrings) its output must contain
 EXPECTED = {
-    "00_foundations.py": ["8 cpu devices", "= parameter bytes 70272: True"],
+    "00_foundations.py": ["8 cpu devices", "= parameter bytes 70272: True", "n_kv_heads=0: need at least 1",
+                          "head_dim='4' is a str", "costs=[1, 2] is a list, not a mapping",
+                          "stages=999999999 is more than 1,024", "passed=True, collectives match the formula: True"],
     "01_pipeline_schedules.py": ["27.3%", "[4, 3, 2, 1]"],
     "02_pipeline_parallel.py": ["m=8: max |pipeline - single device|", "29 = 29  carrying all 48", "75.2 (1.00x)",
                                 "ConfigError: 6 layers do not split"],

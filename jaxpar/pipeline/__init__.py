@@ -12,9 +12,9 @@ any of them as one SPMD program.
     baseline   the forward-only scanned pipeline differentiated by autodiff (GPipe)
     verify     against the lecture and the unsharded model (`jaxpar verify schedule|pp`)
 
-    from jaxpar.pipeline import schedule, runtime
-    s = schedule.make("1f1b", stages=4, microbatches=8)
-    loss, grads = runtime.run(s, runtime.layers(layer_fn), params, (inputs, targets), mesh=m)
+>>> from jaxpar.pipeline import schedule, runtime
+>>> s = schedule.make("1f1b", stages=4, microbatches=8)
+>>> loss, grads = runtime.run(s, runtime.layers(layer_fn), params, (inputs, targets), mesh=m)
 
 Importing this package imports nothing: `schedule`, `stats`, `orders`, `viz`, `plan` and
 `formulas` never import JAX, so `jaxpar schedule` starts at once.

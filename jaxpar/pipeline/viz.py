@@ -1,6 +1,8 @@
 """Views of a `Schedule`: the lecture's ASCII timeline, a matplotlib PNG, a Chrome trace.
 
 All three read the same table (`Schedule.program`); none knows how a schedule was built.
+Every function takes the `schedule.Schedule` to draw as `s` (this module sits below
+schedule.py, which uses it, so it names the type in words only).
 matplotlib is imported only when a PNG is asked for.
 """
 
@@ -9,14 +11,11 @@ from __future__ import annotations
 import os
 import string
 import textwrap
-from typing import TYPE_CHECKING
 
 from jaxpar.errors import ConfigError
 from jaxpar.pipeline import orders
 from jaxpar.pipeline.orders import Action
 
-if TYPE_CHECKING:  # the Schedule is passed in, never built here
-    from jaxpar.pipeline.schedule import Schedule
 
 LEGEND = (
     "one character per tick; digit i = forward of microbatch i (mod 10); a, b, c, ... = "
@@ -45,12 +44,12 @@ def percent(x: float) -> str:
     return f"{100 * x:.1f}".removesuffix(".0") + "%"
 
 
-def _label(s: Schedule) -> tuple[str, int]:
+def _label(s) -> tuple[str, int]:
     word = "stage" if s.chunks == 1 else "device"
     return word, len(f"{word} {s.stages - 1}")
 
 
-def timeline_rows(s: Schedule) -> list[str]:
+def timeline_rows(s) -> list[str]:
     """One row per stage (per device, plus a chunk row, when v > 1)."""
     word, width = _label(s)
     rows = []
@@ -66,7 +65,7 @@ def timeline_rows(s: Schedule) -> list[str]:
     return rows
 
 
-def header(s: Schedule) -> str:
+def header(s) -> str:
     word, _ = _label(s)
     dims = (f"p={s.stages}, m={s.microbatches}" + (f", v={s.chunks}" if s.chunks > 1 else "")
             + (" in a V" if s.layout == "v" else ""))
@@ -81,11 +80,11 @@ def header(s: Schedule) -> str:
     return out
 
 
-def render(s: Schedule) -> str:
+def render(s) -> str:
     return "\n".join([header(s), *timeline_rows(s)])
 
 
-def mark(s: Schedule, tick: int | None, device: int) -> str:
+def mark(s, tick: int | None, device: int) -> str:
     """The timeline with a `^` under (tick, device); at the row's end when tick is None."""
     _, width = _label(s)
     rows = timeline_rows(s)
@@ -95,7 +94,7 @@ def mark(s: Schedule, tick: int | None, device: int) -> str:
     return "\n".join(rows[:at + 1] + [" " * col + "^ " + note] + rows[at + 1:])
 
 
-def chrome_trace(s: Schedule) -> dict:
+def chrome_trace(s) -> dict:
     """Chrome-trace JSON (chrome://tracing, ui.perfetto.dev): one thread per device, one
     slice per action, a flow arrow per send; 1 tick = 1000 us."""
     us = 1000
@@ -120,7 +119,7 @@ def chrome_trace(s: Schedule) -> dict:
 COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#8172b3"}
 
 
-def save_png(s: Schedule, path: str) -> None:
+def save_png(s, path: str) -> None:
     """A timeline figure: one lane per device, one box per action, labelled microbatch
     (and chunk); colours F blue, B orange, W purple."""
     folder = os.path.dirname(os.path.abspath(path))

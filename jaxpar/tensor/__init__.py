@@ -7,8 +7,8 @@
     formulas  the collectives and bytes in closed form (pure Python)
     verify    against reference.block and reference.loss (`jaxpar verify tp|sp`)
 
-    from jaxpar import tensor
-    y = tensor.tp_block(reference.layer_params(params, 0), x, mesh=m, cfg=cfg, sequence_parallel=True)
+>>> from jaxpar import tensor
+>>> y = tensor.tp_block(reference.layer_params(params, 0), x, mesh=m, cfg=cfg, sequence_parallel=True)
 
 The names below are loaded from their module on first use (PEP 562), so that importing
 `jaxpar.tensor.formulas` (pure Python, read by the planner) does not start JAX.

@@ -12,7 +12,7 @@ measured here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -20,14 +20,24 @@ from jaxpar import errors
 from jaxpar.comms import Collectives
 from jaxpar.errors import ConfigError
 
-if TYPE_CHECKING:  # read for its sizes only; importing it would start JAX
-    from jaxpar.reference import ModelConfig
+
+@runtime_checkable
+class ModelSizes(Protocol):
+    """The sizes of `reference.ModelConfig` these formulas read (importing it would start JAX)."""
+
+    vocab: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    mlp: str
 
 
 def _sizes(batch_size, seq_len, dp, tp, cfg) -> int:
     """Refuse sizes that are not whole numbers >= 1, a batch that dp does not split, or a
     cfg without a model's sizes; return the batch one tp group sees, batch_size/dp."""
-    if not all(hasattr(cfg, k) for k in ("d_model", "n_heads", "n_kv_heads", "vocab", "d_ff")):
+    if not isinstance(cfg, ModelSizes):
         raise ConfigError(f"cfg is a {type(cfg).__name__}, not a reference.ModelConfig")
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("dp", dp), ("tp", tp)):
         errors.whole(name, value)
@@ -36,7 +46,7 @@ def _sizes(batch_size, seq_len, dp, tp, cfg) -> int:
     return batch_size // dp
 
 
-def block_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def block_param_shapes(cfg: ModelSizes) -> dict[str, tuple[int, ...]]:
     """The shape of each of one block's params (reference.layer_params) under `cfg`."""
     D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
     shapes = {"attn_norm": (D,), "wq": (D, N, H), "wk": (D, K, H), "wv": (D, K, H), "wo": (N, H, D),
@@ -44,7 +54,7 @@ def block_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes | ({"w_gate": (D, F)} if cfg.mlp == "swiglu" else {})
 
 
-def block_param_bytes(*, cfg: ModelConfig, dtype, tp: int = 1) -> int:
+def block_param_bytes(*, cfg: ModelSizes, dtype, tp: int = 1) -> int:
     """Bytes of one block's params held by one device under TPSpecs.megatron: the matrices
     are 1/tp (wk/wv whole when tp > n_kv_heads), the two norm gains are replicated."""
     D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
@@ -53,7 +63,7 @@ def block_param_bytes(*, cfg: ModelConfig, dtype, tp: int = 1) -> int:
     return (2 * D + (2 * D * N * H + (n_up + 1) * D * F) // tp + kv) * np.dtype(dtype).itemsize
 
 
-def tp_block_collectives(*, cfg: ModelConfig, batch_size: int, seq_len: int, dtype, dp: int = 1, tp: int = 1,
+def tp_block_collectives(*, cfg: ModelSizes, batch_size: int, seq_len: int, dtype, dp: int = 1, tp: int = 1,
                          sequence_parallel: bool = False, backward: bool = False) -> Collectives:
     """The collectives of the compiled tp_block, as comms.nonzero measures them.
 
@@ -106,7 +116,7 @@ def tp_block_collectives(*, cfg: ModelConfig, batch_size: int, seq_len: int, dty
     return Collectives(out)
 
 
-def ring_bytes_per_device(*, cfg: ModelConfig, batch_size: int, seq_len: int, dtype, tp: int) -> float:
+def ring_bytes_per_device(*, cfg: ModelSizes, batch_size: int, seq_len: int, dtype, tp: int) -> float:
     """Bytes one device sends per layer, forward + backward, on a ring: 8*b*s*h*(t-1)/t
     elements (4 all-reduces of b*s*h, each 2(t-1)/t of it; the same for SP's 4 AG + 4 RS),
     b = batch_size the tp group sees."""
@@ -117,7 +127,7 @@ def _vocab_all_reduces(ops: list[tuple[int, int]]) -> Collectives:
     return Collectives({"all-reduce": (sum(c for c, _ in ops), sum(n for _, n in ops))} if ops else {})
 
 
-def embedding_collectives(*, cfg: ModelConfig, batch_size: int, seq_len: int, dtype, dp: int = 1, tp: int = 1,
+def embedding_collectives(*, cfg: ModelSizes, batch_size: int, seq_len: int, dtype, dp: int = 1, tp: int = 1,
                           backward: bool = False) -> Collectives:
     """vocab_parallel_embedding of tokens[batch_size, seq_len]: forward, g's all-reduce of the
     rows of every shard over tp, b*T*D (b = batch_size/dp); backward, a local scatter-add,
@@ -131,7 +141,7 @@ def embedding_collectives(*, cfg: ModelConfig, batch_size: int, seq_len: int, dt
     return _vocab_all_reduces(ops)
 
 
-def cross_entropy_collectives(*, cfg: ModelConfig, batch_size: int, seq_len: int, dtype, dp: int = 1,
+def cross_entropy_collectives(*, cfg: ModelSizes, batch_size: int, seq_len: int, dtype, dp: int = 1,
                               tp: int = 1, backward: bool = False) -> Collectives:
     """vocab_parallel_cross_entropy of logits[batch_size, seq_len, V_tp]: forward, the
     all-reduces over tp of the max (its own: a max does not combine with sums) and of the
@@ -148,7 +158,7 @@ def cross_entropy_collectives(*, cfg: ModelConfig, batch_size: int, seq_len: int
     return _vocab_all_reduces(ops)
 
 
-def lm_loss_collectives(*, cfg: ModelConfig, batch_size: int, seq_len: int, dtype, dp: int = 1, tp: int = 1,
+def lm_loss_collectives(*, cfg: ModelSizes, batch_size: int, seq_len: int, dtype, dp: int = 1, tp: int = 1,
                         backward: bool = False) -> Collectives:
     """vocab_parallel_lm_loss (final norm, f, unembed[D, V_tp], cross-entropy): forward, the
     cross-entropy's; backward, f's all-reduce of dL/dz over tp, b*T*D, and with dp > 1 the

@@ -139,9 +139,9 @@ def require_divisible(what: str, size: int, mesh: Mesh, axes: tuple[str, ...], *
     for a in axes:
         n *= axis_size(mesh, a)
     if size % n:
-        over = " x ".join(f"{a}={axis_size(mesh, a)}" for a in axes)
-        raise ConfigError(f"{what}={size} is not divisible by {over} = {n}: {why}. Fix: use a {what} that is "
-                          f"a multiple of {n}, or a mesh whose {'/'.join(axes)} divides {size}")
+        over = " x ".join(f"{a}={axis_size(mesh, a)}" for a in axes) + (f" = {n}" if len(axes) > 1 else "")
+        raise ConfigError(f"{what}={size} is not divisible by {over}: {why}. Fix: use a {what.split()[0]} that is "
+                          f"a multiple of {n}, or a mesh whose {' x '.join(axes)} divides {size}")
     return n
 
 

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import errors, reference
 from jaxpar.errors import ConfigError, divisors
-from jaxpar.mesh import DP, TP, axis_size, require_mesh
+from jaxpar.mesh import DP, TP, axis_size, require_divisible, require_mesh
 from jaxpar.tensor.formulas import block_param_shapes
 from jaxpar.tensor.layers import block_shard
 
@@ -118,11 +118,9 @@ def validate_block_inputs(params: dict, x, cfg: reference.ModelConfig) -> None:
                           "a batch axis)")
 
 
-def validate_batch(batch_size: int, dp: int) -> None:
-    """Refuse a batch that does not split over dp."""
-    if batch_size % dp:
-        raise ConfigError(f"batch B={batch_size} is not divisible by dp={dp}: each data-parallel group takes "
-                          f"B/dp rows. Fix: use a batch that is a multiple of {dp}")
+def validate_batch(batch_size: int, mesh: Mesh) -> None:
+    """Refuse a batch that does not split over the mesh's dp axis."""
+    require_divisible("batch B", batch_size, mesh, (DP,), why="each data-parallel group takes B/dp rows")
 
 
 def validate_tp(cfg: reference.ModelConfig, tp: int, *, seq_len: int | None = None,
@@ -163,7 +161,7 @@ def tp_block(params: dict, x, *, mesh: Mesh, cfg: reference.ModelConfig,
     validate_block_inputs(params, x, cfg)
     t, dp = axis_size(mesh, TP), axis_size(mesh, DP)
     validate_tp(cfg, t, seq_len=x.shape[1], sequence_parallel=sequence_parallel)
-    validate_batch(x.shape[0], dp)
+    validate_batch(x.shape[0], mesh)
     specs = TPSpecs.megatron(n_kv_heads=cfg.n_kv_heads, tp=t, sequence_parallel=sequence_parallel,
                              data_axis=DP if dp > 1 else None)
     body = partial(block_shard, cfg=cfg, axis=TP, sequence_parallel=sequence_parallel)

@@ -112,7 +112,7 @@ def _split(v: int, batch_size: int, mesh: Mesh, needed_by: str) -> tuple[str | N
     if v % t:
         raise ConfigError(f"vocab V={v} is not divisible by tp={t}: each tp device holds V/tp rows. "
                           f"Fix: pad the vocabulary to a multiple of {t} (Megatron pads to 128*tp)")
-    validate_batch(batch_size, dp)
+    validate_batch(batch_size, mesh)
     return (DP if dp > 1 else None), (TP if t > 1 else None)
 
 

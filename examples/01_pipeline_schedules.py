@@ -12,7 +12,7 @@ import argparse
 import pathlib
 
 from jaxpar.pipeline import schedule
-from jaxpar.pipeline.formulas import dualpipe_v_bubble, interleaved_bubble
+from jaxpar.pipeline.formulas import bubble
 from jaxpar.pipeline.verify import LECTURE_TIMELINES
 from jaxpar.pipeline.viz import percent
 
@@ -66,7 +66,7 @@ show(schedule.make("interleaved", 4, 8, chunks=2))
 for v in (1, 2, 4):
     s = schedule.make("interleaved", 4, 8, chunks=v) if v > 1 else schedule.make("1f1b", 4, 8)
     print(f"  v={v}: bubble {percent(s.bubble_fraction)} = (p-1)/(v*m+p-1) = "
-          f"{percent(interleaved_bubble(4, 8, v))}; idle/busy "
+          f"{percent(bubble('interleaved', 4, 8, v))}; idle/busy "
           f"{sum(s.idle_time) / sum(s.busy_time):.4f} = (p-1)/(v*m) = {3 / (v * 8):.4f}; sends {len(s.sends)}")
 print()
 
@@ -95,7 +95,7 @@ show(schedule.make("dualpipe-v", 4, 8))
 for p, m in ((4, 8), (8, 32)):
     ref, zb, dv = (schedule.make(n, p, m) for n in ("1f1b", "zb-h1", "dualpipe-v"))
     print(f"  p={p}, m={m}: bubble {percent(dv.bubble_fraction)} = (p-1)/(6m+p-1) = "
-          f"{percent(dualpipe_v_bubble(p, m))} (ZB-H1 {percent(zb.bubble_fraction)}, 1F1B "
+          f"{percent(bubble('dualpipe-v', p, m, 2))} (ZB-H1 {percent(zb.bubble_fraction)}, 1F1B "
           f"{percent(ref.bubble_fraction)}), back to back {percent(dv.steady_bubble_fraction)}; peak "
           f"{dv.peak_in_flight[0]} half-stage chunks on every device = 1F1B's {ref.peak_activations[0]} "
           f"stages; sends {len(dv.sends)} = 2x 1F1B's {len(ref.sends)}")

@@ -43,11 +43,11 @@ def whole(name: str, value, *, minimum: int = 1, maximum: int | None = None, fix
     return int(value)
 
 
-def number(name: str, value, *, positive: bool = True, fix: str = "") -> float:
-    """`value` as a float if it is a real number (not a bool), > 0 when `positive`."""
+def number(name: str, value, *, fix: str = "") -> float:
+    """`value` as a float if it is a real number > 0 (not a bool, not NaN)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
         raise ConfigError(f"{name}={value!r} is not a real number; {fix or f'give a float, e.g. {name}=1e-6'}")
-    if positive and value <= 0:
+    if value <= 0:
         raise ConfigError(f"{name}={value}: must be > 0; {fix or f'give a positive {name}'}")
     return float(value)
 

@@ -32,16 +32,6 @@ def bubble(name: str, p: int, m: int, v: int = 1) -> float:
     return forms[name]()
 
 
-def interleaved_bubble(p: int, m: int, v: int) -> float:
-    """bubble("interleaved", p, m, v)."""
-    return bubble("interleaved", p, m, v)
-
-
-def dualpipe_v_bubble(p: int, m: int) -> float:
-    """bubble("dualpipe-v", p, m)."""
-    return bubble("dualpipe-v", p, m, 2)
-
-
 def _rows(batch_size, features, dp, m) -> int:
     """Rows of one microbatch on one device; refuses sizes that are not whole or do not split."""
     for name, value in (("batch_size", batch_size), ("features", features), ("dp", dp)):

@@ -37,7 +37,7 @@ class BlockRun:
     formula_forward: Collectives
     formula_backward: Collectives
 
-    @property
+    @functools.cached_property
     def compared(self) -> tuple[dict, tuple, bool]:
         """testing.compare of y, dx and the parameter gradients."""
         named = lambda o: {"y": o[0], "dx": o[1][1], "param grads": o[1][0]}

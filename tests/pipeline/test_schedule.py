@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxpar.pipeline import schedule as S
-from jaxpar.pipeline.formulas import interleaved_bubble
+from jaxpar.pipeline import formulas
 from jaxpar.pipeline.verify import LECTURE_TIMELINES
 from jaxpar.pipeline.viz import percent
 from tests.oracles import FAST, bubble, check_dependencies
@@ -125,7 +125,7 @@ def test_interleaved_bubble(p, k, v, f, b):
     assert bubble(s) == Fraction(p - 1, v * m + p - 1)
     idle, busy = sum(s.idle_time), sum(s.busy_time)
     assert Fraction(idle, busy) == Fraction(p - 1, v * m)  # Narayanan et al.'s (p-1)/(v m)
-    assert interleaved_bubble(p, m, v) == pytest.approx(float(bubble(s)))
+    assert formulas.bubble("interleaved", p, m, v) == pytest.approx(float(bubble(s)))
     check_dependencies(s)
 
 

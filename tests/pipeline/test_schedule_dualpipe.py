@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from jaxpar.cli.main import main
 from jaxpar.pipeline import schedule as S
-from jaxpar.pipeline.formulas import dualpipe_v_bubble
+from jaxpar.pipeline import formulas
 from tests.oracles import FAST, check_dependencies, v_stage
 
 # ---- the layout ------------------------------------------------------------------------
@@ -82,7 +82,7 @@ def test_bubble_and_peak_exact(p, extra):
     assert s.total_time == 6 * m + p - 1
     idle = sum(a is None for d in range(p) for a in s.occupancy(d))
     assert Fraction(idle, p * s.total_time) == Fraction(p - 1, 6 * m + p - 1)
-    assert s.bubble_fraction == pytest.approx(dualpipe_v_bubble(p, m), abs=1e-12)
+    assert s.bubble_fraction == pytest.approx(formulas.bubble("dualpipe-v", p, m, 2), abs=1e-12)
     # a parallelogram: device d busy without a gap from tick d to 6m + d, so back to back 0
     for d in range(p):
         prog = s.program(d)

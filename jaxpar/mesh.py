@@ -4,8 +4,10 @@ One axis name per parallelism, used everywhere (specs, docs, CLI):
 
     DP  data parallel        PP  pipeline stages      CP  context (sequence) parallel
     EP  expert parallel      TP  tensor parallel (sequence parallelism runs on TP too)
+    UCP the second context axis of 2-D context parallelism: Ulysses all-to-all over
+        UCP inside, the ring over CP outside (context.hybrid_attention)
 
-`make_mesh` lays the axes out in the order dp, pp, cp, ep, tp, so tp is innermost:
+`make_mesh` lays the axes out in the order dp, pp, cp, ucp, ep, tp, so tp is innermost:
 tensor-parallel peers are neighbouring devices (one NVLink island on a GPU node), as
 Megatron and Llama 3 order them. Axes are *Auto*-typed (jax.make_mesh now defaults to
 Explicit), so `shard_map` and `jit` accept unsharded inputs and reshard them.
@@ -24,8 +26,8 @@ from jax.sharding import AxisType, Mesh
 
 from jaxpar.errors import ConfigError, is_whole, whole
 
-DP, PP, CP, EP, TP = "dp", "pp", "cp", "ep", "tp"
-AXIS_ORDER: tuple[str, ...] = (DP, PP, CP, EP, TP)
+DP, PP, CP, UCP, EP, TP = "dp", "pp", "cp", "ucp", "ep", "tp"
+AXIS_ORDER: tuple[str, ...] = (DP, PP, CP, UCP, EP, TP)
 
 MAX_DEVICES = 1 << 16  # more than any machine or job has: a larger count is a typo
 _XLA_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
@@ -69,7 +71,7 @@ def use_cpu_devices(n: int) -> int:
 
 
 def make_mesh(*, devices: Sequence[jax.Device] | None = None, **sizes: int) -> Mesh:
-    """A mesh with the named axes, in the order dp, pp, cp, ep, tp (tp innermost).
+    """A mesh with the named axes, in the order dp, pp, cp, ucp, ep, tp (tp innermost).
 
     make_mesh(dp=2, tp=4) -> Mesh(('dp', 'tp'), shape (2, 4)) over all devices.
     Axes not named are left out (size 1 axes are kept if named). The product of the

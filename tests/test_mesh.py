@@ -24,7 +24,7 @@ needs_8 = pytest.mark.skipif(N != 8, reason="written for the 8 fake CPU devices 
 
 def test_axis_constants():
     assert (mesh.DP, mesh.PP, mesh.CP, mesh.EP, mesh.TP) == ("dp", "pp", "cp", "ep", "tp")
-    assert mesh.AXIS_ORDER == ("dp", "pp", "cp", "ep", "tp")
+    assert mesh.AXIS_ORDER == ("dp", "pp", "cp", "ucp", "ep", "tp")
 
 
 @needs_8
@@ -88,7 +88,7 @@ def test_unknown_axis_is_rejected_with_the_known_ones():
     with pytest.raises(ValueError) as e:
         mesh.make_mesh(dp=2, sp=4)
     assert "'sp'" in str(e.value)
-    assert "dp, pp, cp, ep, tp" in str(e.value)
+    assert "dp, pp, cp, ucp, ep, tp" in str(e.value)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.0, "2"])

@@ -1,0 +1,147 @@
+"""The context-parallel collectives, bytes and step costs in closed form (pure Python: the
+planner reads it).
+
+Every `*_collectives` function has the signature shape of the other techniques'
+formulas, (*, cfg, batch_size, seq_len, dtype, dp, cp, tp, ..., backward), and returns
+the `comms.Collectives` the compiled program shows: the forward (backward=False) or the
+backward alone (jit of the function jax.vjp returns). `cfg` needs n_heads, n_kv_heads
+and head_dim (a `reference.ModelConfig` has them). b = batch_size/dp rows, heads per tp
+shard N/tp and K/tp; one K/V block = 2*b*(T/cp)*(K/tp)*H elements.
+
+    ring     forward: cp-1 collective-permutes of one stacked K/V block.
+             backward: cp-1 K/V permutes again, and cp of dK/dV (it travels with its K/V
+             and takes one step home), accumulated in float32 at least.
+             permute=True under zigzag adds 6 (q, K/V and the output reordered into the
+             layout and back, two halves each) forward, and 6 backward (their transposes).
+    ulysses  4 all-to-alls forward (q, k, v to head-split; the output back) and 4
+             backward, each of the whole local array; K/V heads sent are K/tp, or u when
+             u > K/tp (each KV head repeated).
+    hybrid   Ulysses over u = ucp on T/(cp*u) tokens, then the ring over cp on T/cp tokens
+             with N/(tp*u) query heads and (K sent)/u KV heads.
+
+XLA:CPU runs bf16 collectives in f32, so in bf16 the CPU measures twice these bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from jaxpar import errors
+from jaxpar.comms import Collectives
+from jaxpar.errors import ConfigError
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+@runtime_checkable
+class HeadSizes(Protocol):
+    """The sizes of `reference.ModelConfig` these formulas read."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Local:
+    b: int          # batch rows per device
+    heads: int      # query heads per tp shard
+    kv: int         # KV heads per tp shard
+    head_dim: int
+    item: int       # bytes per element of dtype
+    acc: int        # bytes per element of the backward's accumulators
+
+
+def _local(cfg, batch_size, seq_len, dtype, dp, tp, axes: dict[str, int]) -> _Local:
+    if not isinstance(cfg, HeadSizes):
+        raise ConfigError(f"cfg is a {type(cfg).__name__}: give a reference.ModelConfig (n_heads, n_kv_heads, "
+                          "head_dim)")
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("dp", dp), ("tp", tp), *axes.items()):
+        errors.whole(name, value)
+    errors.divisible("batch_size", batch_size, "dp", dp, why="dp splits the batch", fix=f"a multiple of {dp}")
+    n = 1
+    for value in axes.values():
+        n *= value
+    errors.divisible("seq_len", seq_len, " x ".join(axes), n, why="each device holds its share of the sequence",
+                     fix=f"a multiple of {n}")
+    for name in ("n_heads", "n_kv_heads"):
+        errors.divisible(name, getattr(cfg, name), "tp", tp, why="tp splits the heads", fix="another tp")
+    item = np.dtype(dtype).itemsize
+    return _Local(batch_size // dp, cfg.n_heads // tp, cfg.n_kv_heads // tp, cfg.head_dim, item, max(item, 4))
+
+
+def kv_heads_sent(n_heads: int, n_kv_heads: int, u: int) -> int:
+    """KV heads Ulysses sends per token over u devices: K, or u when u > K (repeated)."""
+    if n_heads % u or (n_kv_heads % u and u % n_kv_heads):
+        raise ConfigError(f"Ulysses over {u} devices needs n_heads={n_heads} divisible by {u} and n_kv_heads="
+                          f"{n_kv_heads} dividing or divided by {u}")
+    return n_kv_heads if n_kv_heads % u == 0 else u
+
+
+def _ring(loc: _Local, tokens: int, heads: int, kv: int, cp: int, relayout: bool, backward: bool) -> Collectives:
+    if cp == 1:
+        return Collectives()
+    block = 2 * loc.b * tokens * kv * loc.head_dim          # elements of one stacked K/V block
+    q = loc.b * tokens * heads * loc.head_dim
+    if backward:
+        count, nbytes = 2 * cp - 1, (cp - 1) * block * loc.item + cp * block * loc.acc
+    else:
+        count, nbytes = cp - 1, (cp - 1) * block * loc.item
+    if relayout:   # q, K/V and the output (or dO, dQ, dK/dV): two halves each
+        count, nbytes = count + 6, nbytes + (2 * q + block) * loc.item
+    return Collectives({"collective-permute": (count, nbytes)})
+
+
+def _ulysses(loc: _Local, tokens: int, kv_sent: int) -> Collectives:
+    q = loc.b * tokens * loc.heads * loc.head_dim
+    kv = loc.b * tokens * kv_sent * loc.head_dim
+    return Collectives({"all-to-all": (4, (2 * q + 2 * kv) * loc.item)})
+
+
+def _layout(layout) -> str:
+    return errors.one_of("layout", layout, LAYOUTS)
+
+
+def hybrid_collectives(*, cfg: HeadSizes, batch_size: int, seq_len: int, dtype, dp: int = 1, cp: int = 1,
+                       ucp: int = 1, tp: int = 1, layout: str = "contiguous", permute: bool = False,
+                       backward: bool = False) -> Collectives:
+    """Ulysses over ucp inside, the ring over cp outside (ulysses.hybrid_attention)."""
+    loc = _local(cfg, batch_size, seq_len, dtype, dp, tp, {"cp": cp, "ucp": ucp})
+    relayout = _layout(layout) == "zigzag" and errors.flag("permute", permute)
+    errors.flag("backward", backward)
+    out = Collectives()
+    kv = loc.kv
+    if ucp > 1:
+        kv = kv_heads_sent(loc.heads, loc.kv, ucp)
+        out = _ulysses(loc, seq_len // (cp * ucp), kv)
+    return out + _ring(loc, seq_len // cp, loc.heads // ucp, kv // ucp, cp, relayout, backward)
+
+
+def ring_collectives(*, cfg: HeadSizes, batch_size: int, seq_len: int, dtype, dp: int = 1, cp: int = 1,
+                     tp: int = 1, layout: str = "contiguous", permute: bool = False,
+                     backward: bool = False) -> Collectives:
+    """ring.ring_attention's forward or backward program."""
+    return hybrid_collectives(cfg=cfg, batch_size=batch_size, seq_len=seq_len, dtype=dtype, dp=dp, cp=cp, tp=tp,
+                              layout=layout, permute=permute, backward=backward)
+
+
+def ulysses_collectives(*, cfg: HeadSizes, batch_size: int, seq_len: int, dtype, dp: int = 1, cp: int = 1,
+                        tp: int = 1, backward: bool = False) -> Collectives:
+    """ulysses.ulysses_attention (Ulysses over cp) forward or backward program."""
+    return hybrid_collectives(cfg=cfg, batch_size=batch_size, seq_len=seq_len, dtype=dtype, dp=dp, ucp=cp, tp=tp,
+                              backward=backward)
+
+
+def ring_step(*, cfg: HeadSizes, batch_size: int, seq_len: int, dtype, cp: int) -> dict[str, float]:
+    """One ring step of one device, without data parallelism (exercise 6b): the FLOPs of a
+    full block (QK^T and PV, 2*2*c^2*N*H for c = T/cp tokens per device), the bytes of
+    the K/V block it sends (2*c*K*H), and their ratio. The FLOPs grow with c^2 and the
+    bytes with c, so a longer sequence hides the transfer behind the compute."""
+    loc = _local(cfg, batch_size, seq_len, dtype, 1, 1, {"cp": cp})
+    c = seq_len // cp
+    flops = 4 * loc.b * c * c * loc.heads * loc.head_dim
+    sent = 2 * loc.b * c * loc.kv * loc.head_dim * loc.item
+    return {"tokens_per_device": c, "flops": flops, "bytes": sent, "flops_per_byte": flops / sent}

@@ -1,0 +1,263 @@
+"""Ring attention (lecture 5.2): K/V blocks travel a ring of cp devices, each step merged
+into the queries' running result by log-sum-exp, causal blocks above the diagonal skipped.
+
+    ring_attention_shard(q, k, v, *, axis, causal, layout)   per-shard, inside shard_map
+    ring_attention(q, k, v, *, mesh, causal, layout)         global [B, T, N, H] arrays
+
+Forward, on rank i of the `axis` ring: step 0 attends to its own K/V; before computing a
+step it sends the K/V it holds to rank i+1 (`ppermute`), so the transfer of the next
+block overlaps the current block's compute, and at step r it holds the K/V of rank
+i - r. Each step runs the block kind that `zigzag.plan` gives for (r, i): a whole block,
+the masked diagonal, half a block (zigzag) or nothing (contiguous, keys all in the
+future). cp - 1 sends of one stacked K/V buffer in all.
+
+Backward (`jax.custom_vjp`): only q, k, v, the output and its log-sum-exp are kept
+(no score matrix); the ring runs again, each step adding the block's dQ locally while
+dK/dV accumulate in a buffer that travels round the ring with the K/V they belong to and
+takes one last step home: cp - 1 K/V sends and cp dK/dV sends.
+
+Grouped-query attention is native: K/V keep their K heads on the wire (a GQA model
+sends N/K times less than repeating them would).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import errors
+from jaxpar import mesh as mesh_lib
+from jaxpar.collectives import ring_pairs
+from jaxpar.context import zigzag
+from jaxpar.context.blockwise import (acc_dtype, attend, attend_backward, causal_mask, check_qkv, group,
+                                      merge, ungroup)
+from jaxpar.context.zigzag import DIAGONAL, EARLY_KV, FULL, LATE_Q, SKIP
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import CP, DP, TP
+
+
+def _size(axis) -> int:
+    return 1 if axis is None else jax.lax.axis_size(axis)
+
+
+def _block(kind: int, q, kv, scale):
+    """(o, lse) of one block kind over the queries q it covers (all or the late half)."""
+    k, v = kv[0], kv[1]
+    t = q.shape[1]
+    if kind == FULL:
+        return attend(q, k, v, scale=scale)
+    if kind == DIAGONAL:
+        return attend(q, k, v, scale=scale, mask=causal_mask(t, t))
+    c = t // 2
+    if kind == EARLY_KV:
+        return attend(q, k[:, :c], v[:, :c], scale=scale)
+    return attend(q[:, c:], k, v, scale=scale)          # LATE_Q
+
+
+def _forward_step(kind: int, q, scale, o, lse, kv):
+    """The running (o, lse) after merging one block of `kind`."""
+    if kind == SKIP:
+        return o, lse
+    bo, blse = _block(kind, q, kv, scale)
+    if kind == LATE_Q:
+        c = q.shape[1] // 2
+        lo, llse = merge(o[:, c:], lse[:, c:], bo, blse)
+        return o.at[:, c:].set(lo), lse.at[:, c:].set(llse)
+    return merge(o, lse, bo, blse)
+
+
+def _backward_step(kind: int, q, do, lse, delta, scale, dq, dkv, kv):
+    """(dq, dkv) after adding one block's gradients (dkv stacked [dk, dv])."""
+    if kind == SKIP:
+        return dq, dkv
+    k, v = kv[0], kv[1]
+    t = q.shape[1]
+    if kind in (FULL, DIAGONAL):
+        mask = causal_mask(t, t) if kind == DIAGONAL else None
+        bq, bk, bv = attend_backward(q, k, v, do, lse, delta, scale=scale, mask=mask)
+        return dq + bq, dkv + jnp.stack([bk, bv])
+    c = t // 2
+    if kind == EARLY_KV:
+        bq, bk, bv = attend_backward(q, k[:, :c], v[:, :c], do, lse, delta, scale=scale)
+        return dq + bq, dkv.at[:, :, :c].add(jnp.stack([bk, bv]))
+    bq, bk, bv = attend_backward(q[:, c:], k, v, do[:, c:], lse[:, c:], delta[:, c:], scale=scale)
+    return dq.at[:, c:].add(bq), dkv + jnp.stack([bk, bv])
+
+
+def _dispatch(table: np.ndarray, axis, step_fn):
+    """step(r, state, kv) -> step_fn(kind of (r, this rank), state, kv): static when the
+    plan runs one kind on every later step, else a lax.switch over the kinds it uses."""
+    kinds = sorted(set(int(k) for k in table[1:].flat))
+    position = np.zeros(len(zigzag.KINDS), np.int32)
+    position[kinds] = np.arange(len(kinds), dtype=np.int32)
+    branches = [functools.partial(step_fn, kind) for kind in kinds]
+
+    def step(r, state, kv):
+        if len(kinds) == 1:
+            return branches[0](state, kv)
+        which = jnp.asarray(position[table])[r, jax.lax.axis_index(axis)]
+        return jax.lax.switch(which, branches, state, kv)
+    return step
+
+
+def _ring(cp: int, axis, kv, first, step, after=lambda state: state):
+    """The ring loop. state = first(kv) on the own block, then step(r, state, kv_r) for
+    r = 1..cp-1 with kv_r the K/V of rank i - r; the held K/V is sent on to rank i+1
+    before each step's compute (cp - 1 sends), and `after(state)` runs after every step
+    (the backward's dK/dV hop). Steps 1..cp-2 are one lax.scan: the program does not
+    grow with cp."""
+    send = lambda x: jax.lax.ppermute(x, axis, ring_pairs(cp))
+    nxt = send(kv) if cp > 1 else None
+    state = after(first(kv))
+    if cp > 2:
+        def body(carry, r):
+            state, cur = carry
+            ahead = send(cur)
+            return (after(step(r, state, cur)), ahead), None
+        (state, nxt), _ = jax.lax.scan(body, (state, nxt), jnp.arange(1, cp - 1))
+    if cp > 1:
+        state = after(step(cp - 1, state, nxt))
+    return state
+
+
+def _forward(q, kv, axis, causal, layout):
+    """(o, lse) of grouped q [B, Tq, K, G, H] over the ring's stacked K/V; o in q's dtype."""
+    cp = _size(axis)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    table = zigzag.plan(cp, layout, causal)
+    step = _dispatch(table, axis, lambda kind, state, kv: _forward_step(kind, q, scale, *state, kv))
+    o, lse = _ring(cp, axis, kv, lambda kv: _block(int(table[0, 0]), q, kv, scale), step)
+    return o.astype(q.dtype), lse
+
+
+def _backward(q, kv, o, lse, do, axis, causal, layout):
+    cp = _size(axis)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    table = zigzag.plan(cp, layout, causal)
+    dt = acc_dtype(q.dtype)
+    delta = jnp.sum(do.astype(dt) * o.astype(dt), axis=-1)
+    step = _dispatch(table, axis, lambda kind, state, kv: _backward_step(kind, q, do, lse, delta, scale, *state, kv))
+
+    def first(kv):
+        zeros = (jnp.zeros(q.shape, dt), jnp.zeros(kv.shape, dt))
+        return _backward_step(int(table[0, 0]), q, do, lse, delta, scale, *zeros, kv)
+
+    send = lambda x: jax.lax.ppermute(x, axis, ring_pairs(cp))
+    after = (lambda state: (state[0], send(state[1]))) if cp > 1 else (lambda state: state)
+    dq, dkv = _ring(cp, axis, kv, first, step, after)
+    return dq.astype(q.dtype), dkv.astype(kv.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _ring_attention(q, kv, axis, causal, layout):
+    return _forward(q, kv, axis, causal, layout)[0]
+
+
+def _ring_fwd(q, kv, axis, causal, layout):
+    o, lse = _forward(q, kv, axis, causal, layout)
+    return o, (q, kv, o, lse)
+
+
+def _ring_bwd(axis, causal, layout, res, do):
+    return _backward(*res, do, axis, causal, layout)
+
+
+_ring_attention.defvjp(_ring_fwd, _ring_bwd)
+
+
+def relayout_shard(x, *, axis, layout: str, inverse: bool = False, seq_dim: int = 1):
+    """This rank's tokens of a sequence split contiguously over `axis`, returned as its
+    tokens in `layout` (inverse=True: the way back). For zigzag two collective-permutes
+    of half the local tokens each: rank i needs chunks i and 2cp-1-i, one even and one
+    odd, and each chunk j sits on rank j // 2; the identity for contiguous or cp = 1."""
+    cp = _size(axis)
+    if layout == "contiguous" or cp == 1:
+        return x
+    c = x.shape[seq_dim] // 2
+    first, second = (jax.lax.slice_in_dim(x, a, a + c, axis=seq_dim) for a in (0, c))
+    even_rank = jax.lax.axis_index(axis) % 2 == 0
+    pick = lambda a, b: jnp.where(even_rank, a, b)
+    home = lambda j: j if j < cp else 2 * cp - 1 - j      # the rank whose zigzag pair holds chunk j
+    if not inverse:   # rank s holds chunks 2s (first) and 2s+1 (second)
+        even = jax.lax.ppermute(first, axis, [(s, home(2 * s)) for s in range(cp)])
+        odd = jax.lax.ppermute(second, axis, [(s, home(2 * s + 1)) for s in range(cp)])
+        return jnp.concatenate([pick(even, odd), pick(odd, even)], axis=seq_dim)
+    # rank i holds chunks i (first) and 2cp-1-i (second); chunk j goes home to rank j // 2, half j % 2
+    own = lambda i: (i, 2 * cp - 1 - i)
+    even_chunk = lambda i: own(i)[i % 2]
+    odd_chunk = lambda i: own(i)[1 - i % 2]
+    lo = jax.lax.ppermute(pick(first, second), axis, [(i, even_chunk(i) // 2) for i in range(cp)])
+    hi = jax.lax.ppermute(pick(second, first), axis, [(i, odd_chunk(i) // 2) for i in range(cp)])
+    return jnp.concatenate([lo, hi], axis=seq_dim)
+
+
+def ring_attention_shard(q, k, v, *, axis=CP, causal: bool = True, layout: str = "contiguous",
+                         relayout: bool = False, custom_backward: bool = True):
+    """Attention of this shard's queries over the whole ring's keys, inside shard_map.
+
+    q [B, Tc, N, H], k and v [B, Tc, K, H], Tc = T/cp: this rank's tokens, in `layout`
+    order (zigzag.to_layout); relayout=True takes them in natural order instead and
+    swaps them into the layout and back (`relayout_shard`, 6 collective-permutes under
+    zigzag). `axis` names the ring (None: one device, no communication). Returns
+    [B, Tc, N, H]. custom_backward=False differentiates the forward loop by autodiff
+    (it keeps every block's scores: the reference for the memory-efficient backward).
+    """
+    errors.flag("causal", causal)
+    errors.flag("relayout", relayout)
+    errors.flag("custom_backward", custom_backward)
+    zigzag.check_layout(layout)
+    B, T, N, K, H = check_qkv(q, k, v, needed_by="ring_attention_shard")
+    if layout == "zigzag" and T % 2:
+        raise ConfigError(f"each rank holds {T} tokens: the zigzag layout needs an even number (two chunks per "
+                          "rank). Fix: a sequence length that is a multiple of 2*cp")
+    move = functools.partial(relayout_shard, axis=axis, layout=layout if relayout else "contiguous")
+    o = _ring_kv(move(group(q, K)), move(jnp.stack([k, v]), seq_dim=2), axis, causal, layout, custom_backward)
+    return ungroup(move(o, inverse=True))
+
+
+def _ring_kv(q, kv, axis, causal, layout, custom_backward):
+    if custom_backward:
+        return _ring_attention(q, kv, axis, causal, layout)
+    return _forward(q, kv, axis, causal, layout)[0]
+
+
+def specs(mesh, *, seq_axes: tuple[str, ...], n_heads: int, n_kv_heads: int, batch_size: int,
+          needed_by: str) -> P:
+    """The PartitionSpec of q, k, v and the output on `mesh`: batch over dp, sequence over
+    `seq_axes`, heads over tp, each only where the mesh has that axis."""
+    mesh_lib.require_mesh(mesh, axes=seq_axes, needed_by=needed_by)
+    batch = DP if DP in mesh.shape else None
+    mesh_lib.require_divisible("batch_size", batch_size, mesh, (DP,), why="dp splits the batch")
+    heads = TP if mesh_lib.axis_size(mesh, TP) > 1 else None
+    if heads:
+        mesh_lib.require_divisible("n_heads", n_heads, mesh, (TP,), why="tp splits the query heads")
+        mesh_lib.require_divisible("n_kv_heads", n_kv_heads, mesh, (TP,),
+                                   why="tp splits the KV heads with the query heads they serve")
+    return P(batch, seq_axes if len(seq_axes) > 1 else seq_axes[0], heads, None)
+
+
+def ring_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "contiguous", axis: str = CP,
+                   permute: bool = True, custom_backward: bool = True):
+    """Ring attention on global arrays: q [B, T, N, H], k and v [B, T, K, H]; equal to
+    reference.attention(q, k, v, causal=causal). The sequence is split over `axis` of
+    `mesh` (cp), the batch over dp and the heads over tp where the mesh has them.
+
+    permute=True takes and returns the sequence in natural order; under zigzag each
+    rank then swaps half its tokens into the layout before the ring and back after it
+    (`relayout_shard`: 2 collective-permutes for q, 2 for K/V, 2 for the output).
+    permute=False takes it already in layout order (`zigzag.to_layout`, as a data
+    loader would deliver it) and returns it so, with no communication beyond the ring's.
+    """
+    errors.flag("permute", permute)
+    zigzag.check_layout(layout)
+    B, T, N, K, H = check_qkv(q, k, v, needed_by="ring_attention")
+    spec = specs(mesh, seq_axes=(axis,), n_heads=N, n_kv_heads=K, batch_size=B, needed_by="ring_attention")
+    zigzag.check_sequence(T, mesh_lib.axis_size(mesh, axis), layout)
+    shard = functools.partial(ring_attention_shard, axis=axis, causal=errors.flag("causal", causal), layout=layout,
+                              relayout=permute, custom_backward=errors.flag("custom_backward", custom_backward))
+    return jax.shard_map(shard, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)

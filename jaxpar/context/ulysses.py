@@ -1,0 +1,122 @@
+"""DeepSpeed-Ulysses (lecture 5.3) and 2-D context parallelism: Ulysses inside, ring outside.
+
+    ulysses_attention_shard(q, k, v, *, axis, causal)     per-shard, inside shard_map
+    ulysses_attention(q, k, v, *, mesh, causal)           global [B, T, N, H] arrays, over cp
+    hybrid_attention_shard(q, k, v, *, ulysses_axis, ring_axis, causal, layout)
+    hybrid_attention(q, k, v, *, mesh, causal, layout)    over ucp (Ulysses) x cp (ring)
+
+Ulysses turns "split by sequence" into "split by heads" with one all-to-all for each of
+q, k and v: each of the u devices then holds the whole sequence for N/u query heads,
+attends exactly as one device would, and a fourth all-to-all turns the output back.
+Grouped-query aware: K/V travel with their K heads split u ways when u divides K; when
+K divides u instead, each KV head is repeated u/K times first, so every device receives
+the one KV head its N/u query heads read.
+
+2-D (USP-style): the sequence is split over (cp, ucp) with ucp minor. The all-to-all over
+ucp gives each device the cp-th part of the sequence for N/u heads; ring attention over
+cp (any layout) finishes the job, and the way back is the same all-to-all. The
+all-to-all's volume falls with u while the ring's K/V blocks shrink with u too, which is
+why Ulysses goes on the fast inner links and the ring on the outer ones.
+
+The attention inside (one device's whole sequence, or the ring) is ring.py's, keeping
+only out and log-sum-exp for its backward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar import errors
+from jaxpar import mesh as mesh_lib
+from jaxpar.context import zigzag
+from jaxpar.context.blockwise import check_qkv
+from jaxpar.context.ring import ring_attention_shard, specs
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import CP, UCP
+
+
+def check_heads(n_heads: int, n_kv_heads: int, u: int, *, axis: str) -> int:
+    """Refuse head counts Ulysses over u devices cannot split; return the KV heads sent
+    (K, or u when each KV head is repeated u/K times)."""
+    if n_heads % u:
+        raise ConfigError(f"n_heads={n_heads} is not divisible by {axis}={u}: Ulysses gives each of the {u} devices "
+                          f"n_heads/{u} whole heads. Fix: {axis} in ({errors.divisors(n_heads)}), or the ring "
+                          "(context.ring_attention), which splits the sequence instead")
+    if n_kv_heads % u and u % n_kv_heads:
+        raise ConfigError(f"n_kv_heads={n_kv_heads} and {axis}={u}: Ulysses splits the KV heads {u} ways or repeats "
+                          f"each one {axis}/n_kv_heads times, so one must divide the other. Fix: {axis} in "
+                          f"({errors.divisors(n_kv_heads)}) or a multiple of {n_kv_heads}")
+    return n_kv_heads if n_kv_heads % u == 0 else u
+
+
+def _to_heads(x, axis):
+    """[B, T/u, h, H] split by sequence -> [B, T, h/u, H] split by heads."""
+    return jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
+
+
+def _to_sequence(x, axis):
+    """The inverse: [B, T, h/u, H] -> [B, T/u, h, H]."""
+    return jax.lax.all_to_all(x, axis, split_axis=1, concat_axis=2, tiled=True)
+
+
+def hybrid_attention_shard(q, k, v, *, ulysses_axis=UCP, ring_axis=CP, causal: bool = True,
+                           layout: str = "contiguous", relayout: bool = False):
+    """Attention of this shard's tokens, inside shard_map over both context axes.
+
+    q [B, Tc, N, H], k and v [B, Tc, K, H], Tc = T/(cp*u): this device's tokens, the
+    sequence split over (ring_axis, ulysses_axis), ulysses minor. ulysses_axis=None is
+    ring attention alone, ring_axis=None Ulysses alone. The ring sees its cp-th of the
+    sequence in `layout` order; relayout=True takes natural order and reorders the
+    gathered tokens into the layout and back around the ring (ring.relayout_shard).
+    """
+    errors.flag("causal", causal)
+    errors.flag("relayout", relayout)
+    zigzag.check_layout(layout)
+    B, Tc, N, K, H = check_qkv(q, k, v, needed_by="hybrid_attention_shard")
+    u = 1 if ulysses_axis is None else jax.lax.axis_size(ulysses_axis)
+    if u > 1:
+        sent = check_heads(N, K, u, axis=ulysses_axis)
+        if sent != K:
+            k, v = (jnp.repeat(a, sent // K, axis=2) for a in (k, v))
+        q, k, v = (_to_heads(a, ulysses_axis) for a in (q, k, v))
+    o = ring_attention_shard(q, k, v, axis=ring_axis, causal=causal, layout=layout, relayout=relayout)
+    return _to_sequence(o, ulysses_axis) if u > 1 else o
+
+
+def ulysses_attention_shard(q, k, v, *, axis=CP, causal: bool = True):
+    """Ulysses alone over `axis`, inside shard_map: q [B, T/u, N, H], k and v [B, T/u, K, H]."""
+    return hybrid_attention_shard(q, k, v, ulysses_axis=axis, ring_axis=None, causal=causal)
+
+
+def hybrid_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "contiguous", ring_axis: str | None = CP,
+                     ulysses_axis: str | None = UCP, permute: bool = True):
+    """2-D context parallelism on global arrays q [B, T, N, H], k and v [B, T, K, H]:
+    Ulysses over `ulysses_axis` inside, ring attention over `ring_axis` outside; equal
+    to reference.attention(q, k, v, causal=causal). Batch over dp and heads over tp
+    where the mesh has them. permute as in ring_attention (natural order in and out)."""
+    errors.flag("causal", causal)
+    errors.flag("permute", permute)
+    zigzag.check_layout(layout)
+    B, T, N, K, H = check_qkv(q, k, v, needed_by="hybrid_attention")
+    axes = tuple(a for a in (ring_axis, ulysses_axis) if a is not None)
+    if not axes:
+        raise ConfigError("hybrid_attention needs ring_axis, ulysses_axis or both: give the mesh axis names")
+    spec = specs(mesh, seq_axes=axes, n_heads=N, n_kv_heads=K, batch_size=B, needed_by="hybrid_attention")
+    tp = mesh_lib.axis_size(mesh, mesh_lib.TP)
+    u = mesh_lib.axis_size(mesh, ulysses_axis) if ulysses_axis else 1
+    cp = mesh_lib.axis_size(mesh, ring_axis) if ring_axis else 1
+    if u > 1:
+        check_heads(N // tp, K // tp, u, axis=ulysses_axis)
+    mesh_lib.require_divisible("seq_len", T, mesh, axes, why="each device holds seq_len/(cp*u) tokens")
+    zigzag.check_sequence(T, cp, layout)
+    shard = functools.partial(hybrid_attention_shard, ulysses_axis=ulysses_axis if u > 1 else None,
+                              ring_axis=ring_axis, causal=causal, layout=layout, relayout=permute)
+    return jax.shard_map(shard, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
+
+
+def ulysses_attention(q, k, v, *, mesh, causal: bool = True, axis: str = CP):
+    """Ulysses on global arrays over `axis` (cp): equal to reference.attention."""
+    return hybrid_attention(q, k, v, mesh=mesh, causal=causal, ring_axis=None, ulysses_axis=axis)

@@ -49,7 +49,8 @@ def test_the_scan_finds_a_late_import(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["jaxpar.pipeline.schedule", "jaxpar.pipeline.formulas", "jaxpar.pipeline.plan",
-                                    "jaxpar.tensor.formulas", "jaxpar.comms", "jaxpar.errors", "jaxpar.cli.main"])
+                                    "jaxpar.tensor.formulas", "jaxpar.context.formulas", "jaxpar.context.zigzag",
+                                    "jaxpar.comms", "jaxpar.errors", "jaxpar.cli.main"])
 def test_pure_python_parts_start_without_jax(module):
     code = (f"import sys, {module}; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax', 'chex', 'optax')))")

@@ -28,6 +28,8 @@ CHECKS: dict[str, str] = {
     "pp": "jaxpar.pipeline.verify:check_runtime",
     "tp": "jaxpar.tensor.verify:check_tp",
     "sp": "jaxpar.tensor.verify:check_sp",
+    "cp": "jaxpar.context.verify:check_cp",
+    "ulysses": "jaxpar.context.verify:check_ulysses",
 }
 
 

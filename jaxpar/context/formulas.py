@@ -65,7 +65,8 @@ def _local(cfg, batch_size, seq_len, dtype, dp, tp, axes: dict[str, int]) -> _Lo
     n = 1
     for value in axes.values():
         n *= value
-    errors.divisible("seq_len", seq_len, " x ".join(axes), n, why="each device holds its share of the sequence",
+    split = [a for a, value in axes.items() if value > 1] or list(axes)[:1]
+    errors.divisible("seq_len", seq_len, " x ".join(split), n, why="each device holds its share of the sequence",
                      fix=f"a multiple of {n}")
     for name in ("n_heads", "n_kv_heads"):
         errors.divisible(name, getattr(cfg, name), "tp", tp, why="tp splits the heads", fix="another tp")

@@ -1,0 +1,188 @@
+"""Context parallelism proven against the reference, for `jaxpar verify cp|ulysses`, the tour,
+example 05, the benchmark and the tests: the output of ring, Ulysses and 2-D attention and,
+from jax.vjp, dQ, dK and dV against reference.attention; the collectives of each compiled
+forward and backward program next to `formulas`; lecture exercise 6's merge; the load
+report of lecture 5.3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar import mesh as mesh_lib
+from jaxpar import reference
+from jaxpar.comms import Collectives
+from jaxpar.context import formulas, zigzag
+from jaxpar.context.blockwise import merge, softmax_block
+from jaxpar.context.ring import ring_attention
+from jaxpar.context.ulysses import hybrid_attention
+from jaxpar.mesh import CP, DP, TP, UCP
+from jaxpar.testing import Result, compare, fwd_bwd
+
+# (method, layout, permute) -> what runs; the mesh decides cp, ucp, dp and tp
+METHODS = ("ring", "ulysses", "hybrid")
+
+
+@dataclasses.dataclass
+class AttentionRun:
+    """One forward + backward of a context-parallel attention and of the reference."""
+
+    out: tuple                      # (o, (dq, dk, dv))
+    ref: tuple
+    forward: Collectives
+    backward: Collectives
+    formula_forward: Collectives
+    formula_backward: Collectives
+
+    @functools.cached_property
+    def compared(self) -> tuple[dict, tuple, bool]:
+        named = lambda o: {"out": o[0], "dq": o[1][0], "dk": o[1][1], "dv": o[1][2]}
+        return compare(named(self.out), named(self.ref))
+
+    @property
+    def max_error(self) -> float:
+        return max(self.compared[0].values())
+
+    @property
+    def collectives_match(self) -> bool:
+        return self.forward == self.formula_forward and self.backward == self.formula_backward
+
+
+def attention_inputs(batch_size: int, seq_len: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                     dtype=jnp.float32, seed: int = 0, scale: float = 1.0):
+    """(q, k, v, do): q, k, v ~ N(0, scale^2) (scale 100 gives logits near 1e4), do ~ N(0, 1).
+    Drawn with numpy: no RNG kernel to compile for each shape."""
+    rng = np.random.default_rng(seed)
+    draw = lambda heads, s=scale: jnp.asarray(s * rng.standard_normal((batch_size, seq_len, heads, head_dim)), dtype)
+    return draw(n_heads), draw(n_kv_heads), draw(n_kv_heads), draw(n_heads, 1.0)
+
+
+@functools.cache
+def _reference_step(causal: bool):
+    def step(q, k, v, do):
+        o, vjp = jax.vjp(lambda q, k, v: reference.attention(q, k, v, causal=causal), q, k, v)
+        return o, vjp(do)
+    return jax.jit(step)
+
+
+def run_attention(method: str, mesh, *, causal: bool = True, layout: str = "contiguous", permute: bool = True,
+                  batch_size: int = 4, seq_len: int = 32, n_heads: int = 8, n_kv_heads: int = 2, head_dim: int = 4,
+                  dtype=jnp.float32, seed: int = 0, scale: float = 1.0) -> AttentionRun:
+    """`method` (ring over cp, ulysses over cp, hybrid over ucp x cp) on `mesh`, against
+    reference.attention, with both programs' collectives and their formulas."""
+    q, k, v, do = attention_inputs(batch_size, seq_len, n_heads, n_kv_heads, head_dim, dtype, seed, scale)
+    if method == "ring":
+        fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, causal=causal, layout=layout, permute=permute)
+    elif method == "ulysses":
+        fn = lambda q, k, v: hybrid_attention(q, k, v, mesh=mesh, causal=causal, ring_axis=None, ulysses_axis=CP)
+    else:
+        fn = lambda q, k, v: hybrid_attention(q, k, v, mesh=mesh, causal=causal, layout=layout, permute=permute)
+    if permute or method == "ulysses":
+        out, (fwd, bwd) = fwd_bwd(fn, q, k, v, ct=do)
+    else:  # the program takes the layout's order: reorder outside it, as a data loader would
+        ring_cp = mesh_lib.axis_size(mesh, CP)
+        into, back = (functools.partial(f, cp=ring_cp, layout=layout) for f in (zigzag.to_layout, zigzag.from_layout))
+        out, (fwd, bwd) = fwd_bwd(fn, into(q), into(k), into(v), ct=into(do))
+        out = jax.tree.map(back, out)
+    cfg = reference.ModelConfig(n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim)
+    size = functools.partial(mesh_lib.axis_size, mesh)
+    kw = dict(cfg=cfg, batch_size=batch_size, seq_len=seq_len, dtype=dtype, dp=size(DP), tp=size(TP))
+    if method == "ring":
+        formula = functools.partial(formulas.ring_collectives, **kw, cp=size(CP), layout=layout, permute=permute)
+    elif method == "ulysses":
+        formula = functools.partial(formulas.ulysses_collectives, **kw, cp=size(CP))
+    else:
+        formula = functools.partial(formulas.hybrid_collectives, **kw, cp=size(CP), ucp=size(UCP), layout=layout,
+                                    permute=permute)
+    return AttentionRun(out=out, ref=_reference_step(causal)(q, k, v, do), forward=fwd, backward=bwd,
+                        formula_forward=formula(), formula_backward=formula(backward=True))
+
+
+def default_mesh(*, two_d: bool = False) -> tuple[jax.sharding.Mesh, str]:
+    """(mesh, note) over the devices there are: dp x cp with cp 4 or 2 (whichever leaves
+    fewer devices out, 4 on a tie), or for two_d dp x cp=2 x ucp=2; one device: cp=1."""
+    n = len(jax.devices())
+    if two_d:
+        group = 4 if n >= 4 else 1
+        sizes = dict(dp=n // group, cp=2, ucp=2) if group == 4 else dict(dp=1, cp=1, ucp=1)
+    else:
+        cp = max((4, 2), key=lambda c: (n // c * c, c)) if n > 1 else 1
+        sizes = dict(dp=n // cp, cp=cp)
+    used = math.prod(sizes.values())
+    m = mesh_lib.make_mesh(**sizes, devices=jax.devices()[:used])
+    note = ("1 device: nothing is split" if used == 1 else
+            f"{n - used} of {n} devices unused" if used < n else "")
+    return m, note
+
+
+def _joined(*notes: str) -> str:
+    return "; ".join(n for n in notes if n)
+
+
+def check_attention(method: str, *, layout: str = "contiguous", causal: bool = True) -> Result:
+    start = time.perf_counter()
+    m, mesh_note = default_mesh(two_d=method == "hybrid")
+    B = 2 * mesh_lib.axis_size(m, DP)
+    run = run_attention(method, m, causal=causal, layout=layout, batch_size=B)
+    errors, rule, within = run.compared
+    name = {"ring": f"ring attention ({layout})", "ulysses": "Ulysses attention",
+            "hybrid": f"2-D: Ulysses x ring ({layout})"}[method]
+    return Result(name=name, mesh=mesh_lib.describe(m), errors=errors, tolerance=rule,
+                  measured={"fwd": run.forward, "bwd": run.backward},
+                  expected={"fwd": run.formula_forward, "bwd": run.formula_backward},
+                  passed=within and run.collectives_match, seconds=time.perf_counter() - start,
+                  note=_joined(f"out, dQ, dK, dV vs reference.attention; f32 GQA N=8 K=2 B={B} T=32"
+                               + (", causal" if causal else ""), mesh_note))
+
+
+def exercise_6() -> dict[str, float]:
+    """Lecture exercise 6(a): block 1 scores [1, 2] values [10, 20], block 2 score [3]
+    value [30]: each block's (o, lse), their merge, and softmax([1, 2, 3]) . [10, 20, 30]."""
+    as_block = lambda s, v: softmax_block(jnp.asarray(s, jnp.float32).reshape(1, 1, 1, 1, -1),
+                                          jnp.asarray(v, jnp.float32).reshape(1, -1, 1, 1))
+    o1, lse1 = as_block([1.0, 2.0], [10.0, 20.0])
+    o2, lse2 = as_block([3.0], [30.0])
+    o, lse = merge(o1, lse1, o2, lse2)
+    direct = float(jnp.dot(jax.nn.softmax(jnp.array([1.0, 2.0, 3.0])), jnp.array([10.0, 20.0, 30.0])))
+    return {"lse1": float(lse1.squeeze()), "o1": float(o1.squeeze()), "lse2": float(lse2.squeeze()),
+            "o2": float(o2.squeeze()), "lse": float(lse.squeeze()), "o": float(o.squeeze()), "direct": direct}
+
+
+def check_merge() -> Result:
+    ex = exercise_6()
+    err = abs(ex["o"] - ex["direct"])
+    return Result(name="online-softmax merge (exercise 6)", errors={"merged vs direct softmax": err},
+                  tolerance=(0.0, 1e-5), passed=err < 1e-5 and abs(ex["o"] - 25.75) < 5e-3,
+                  note=f"lse1 {ex['lse1']:.4f}, o1 {ex['o1']:.3f}, lse {ex['lse']:.4f}, o {ex['o']:.2f} "
+                       "(lecture: 2.3133, 17.311, 3.4076, 25.75)")
+
+
+def check_balance(seq_len: int = 8192, cp: int = 4) -> Result:
+    """Lecture 5.3: causal work per rank, contiguous growing with rank, zigzag equal."""
+    reports = {layout: zigzag.load_report(seq_len, cp, layout) for layout in zigzag.LAYOUTS}
+    cont, zz = reports["contiguous"], reports["zigzag"]
+    share = lambda r: "/".join(f"{u / sum(r.useful):.0%}" for u in r.useful)
+    balanced = len(set(zz.computed)) == 1 and len(set(zz.useful)) == 1
+    growing = all(a < b for a, b in zip(cont.useful, cont.useful[1:]))
+    return Result(name=f"causal load balance T={seq_len} cp={cp}",
+                  errors={"contiguous busiest/mean": cont.imbalance, "zigzag busiest/mean": zz.imbalance},
+                  passed=balanced and growing and zz.imbalance == 1.0,
+                  note=f"visible pairs per rank: contiguous {share(cont)}, zigzag {share(zz)}")
+
+
+def check_cp() -> list[Result]:
+    """`jaxpar verify cp`: the merge, ring attention in both layouts, the load report."""
+    return [check_merge(), check_attention("ring", layout="contiguous"), check_attention("ring", layout="zigzag"),
+            check_balance()]
+
+
+def check_ulysses() -> list[Result]:
+    """`jaxpar verify ulysses`: Ulysses over cp, and Ulysses inside the ring (2-D)."""
+    return [check_attention("ulysses"), check_attention("hybrid", layout="zigzag")]

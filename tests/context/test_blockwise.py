@@ -1,0 +1,104 @@
+"""The online-softmax block and merge: lecture exercise 6, the merge's algebra, masked rows
+and huge logits without NaN, and the block backward against autodiff."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpar import reference
+from jaxpar.context import blockwise
+from jaxpar.context.verify import exercise_6
+from jaxpar.testing import assert_close
+
+
+def test_exercise_6_two_blocks_merge_to_25_75():
+    ex = exercise_6()
+    # the lecture's worked figures
+    assert ex["lse1"] == pytest.approx(2.3133, abs=1e-4)
+    assert ex["o1"] == pytest.approx(17.311, abs=1e-3)
+    assert ex["lse2"] == pytest.approx(3.0) and ex["o2"] == pytest.approx(30.0)
+    assert ex["lse"] == pytest.approx(3.4076, abs=1e-4)
+    assert ex["o"] == pytest.approx(25.75, abs=5e-3)
+    assert ex["o"] == pytest.approx(ex["direct"], rel=1e-6)
+
+
+def _grouped(rng, B, T, K, G, H, scale=1.0):
+    return jnp.asarray(scale * rng.standard_normal((B, T, K, G, H)), jnp.float32)
+
+
+def _dense(q, k, v, mask=None):
+    """reference.attention on the grouped layout (q [B, T, K, G, H])."""
+    B, T, K, G, H = q.shape
+    s = jnp.einsum("bqkgh,bskh->bqkgs", q, k) / jnp.sqrt(H)
+    if mask is not None:
+        s = jnp.where(mask[None, :, None, None, :], s, -jnp.inf)
+    return jnp.einsum("bqkgs,bskh->bqkgh", jax.nn.softmax(s, axis=-1), v)
+
+
+def test_merging_blocks_in_any_order_equals_attention_over_all_keys():
+    rng = np.random.default_rng(0)
+    q = _grouped(rng, 2, 5, 2, 3, 4)
+    k, v = (jnp.asarray(rng.standard_normal((2, 12, 2, 4)), jnp.float32) for _ in range(2))
+    parts = [blockwise.attend(q, k[:, a:b], v[:, a:b], scale=0.5) for a, b in ((0, 3), (3, 8), (8, 12))]
+    want = _dense(q, k, v)
+    for order in ((0, 1, 2), (2, 0, 1), (1, 2, 0)):
+        o, lse = parts[order[0]]
+        for i in order[1:]:
+            o, lse = blockwise.merge(o, lse, *parts[i])
+        assert_close(o, want)
+        assert_close(lse, jax.nn.logsumexp(jnp.einsum("bqkgh,bskh->bqkgs", q, k) / 2, axis=-1))
+
+
+def test_a_fully_masked_block_is_the_identity_of_merge_and_nothing_is_nan():
+    rng = np.random.default_rng(1)
+    q = _grouped(rng, 1, 4, 1, 2, 4)
+    k, v = (jnp.asarray(rng.standard_normal((1, 4, 1, 4)), jnp.float32) for _ in range(2))
+    none = jnp.zeros((4, 4), bool)
+    o0, lse0 = blockwise.attend(q, k, v, scale=0.5, mask=none)
+    assert np.all(np.asarray(o0) == 0) and np.all(np.isneginf(np.asarray(lse0)))
+    o1, lse1 = blockwise.attend(q, k, v, scale=0.5)
+    for o, lse in (blockwise.merge(o0, lse0, o1, lse1), blockwise.merge(o1, lse1, o0, lse0)):
+        np.testing.assert_array_equal(o, o1)
+        np.testing.assert_array_equal(lse, lse1)
+    o, lse = blockwise.merge(o0, lse0, o0, lse0)      # both empty: still no NaN
+    assert np.all(np.isfinite(np.asarray(o))) and np.all(np.isneginf(np.asarray(lse)))
+    # partly masked rows (row 0 sees one key) and their gradients
+    grads = jax.grad(lambda q: blockwise.attend(q, k, v, scale=0.5, mask=blockwise.causal_mask(4, 4))[0].sum())(q)
+    assert np.all(np.isfinite(np.asarray(grads)))
+
+
+@pytest.mark.parametrize("scale", [1e2, -1e2])
+def test_logits_of_1e4_give_no_nan_or_inf(scale):
+    rng = np.random.default_rng(2)
+    q = _grouped(rng, 1, 6, 1, 1, 4, scale)
+    k = jnp.asarray(scale * rng.standard_normal((1, 6, 1, 4)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((1, 6, 1, 4)), jnp.float32)
+    s = blockwise.scores(q, k, 1.0)
+    assert float(jnp.max(jnp.abs(s))) > 1e4
+    (o1, l1), (o2, l2) = (blockwise.attend(q, k[:, a:b], v[:, a:b], scale=1.0) for a, b in ((0, 2), (2, 6)))
+    o, lse = blockwise.merge(o1, l1, o2, l2)
+    assert np.all(np.isfinite(np.asarray(o))) and np.all(np.isfinite(np.asarray(lse)))
+    assert_close(o, jnp.einsum("bqkgs,bskh->bqkgh", jax.nn.softmax(s, axis=-1), v), scale=10)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_block_backward_equals_autodiff(masked):
+    rng = np.random.default_rng(3)
+    q = _grouped(rng, 2, 6, 2, 2, 4)
+    k, v = (jnp.asarray(rng.standard_normal((2, 6, 2, 4)), jnp.float32) for _ in range(2))
+    do = _grouped(rng, 2, 6, 2, 2, 4)
+    mask = blockwise.causal_mask(6, 6) if masked else None
+    o, vjp = jax.vjp(lambda q, k, v: _dense(q, k, v, mask), q, k, v)
+    _, lse = blockwise.attend(q, k, v, scale=0.5, mask=mask)
+    delta = jnp.sum(do * o, -1)
+    assert_close(blockwise.attend_backward(q, k, v, do, lse, delta, scale=0.5, mask=mask), vjp(do))
+
+
+def test_grouped_layout_round_trips_and_matches_reference_heads():
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.standard_normal((1, 5, 6, 4)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, 5, 2, 4)), jnp.float32) for _ in range(2))
+    np.testing.assert_array_equal(blockwise.ungroup(blockwise.group(q, 2)), q)
+    o, _ = blockwise.attend(blockwise.group(q, 2), k, v, scale=0.5, mask=blockwise.causal_mask(5, 5))
+    assert_close(blockwise.ungroup(o), reference.attention(q, k, v, causal=True))

@@ -1,0 +1,126 @@
+"""Ring attention against reference.attention and jax.nn.dot_product_attention: output, dQ,
+dK, dV for cp in {1, 2, 4, 8} with dp filling the devices, both layouts, causal or not,
+grouped-query; the collectives of each compiled program against formulas.ring_collectives;
+the custom backward against autodiff of the forward; float64; huge logits; the relayout
+on rank-coded tokens; compiled memory without a T x T score matrix."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import mesh as mesh_lib
+from jaxpar.context import ring, zigzag
+from jaxpar.context.verify import attention_inputs, run_attention
+from jaxpar.testing import assert_close, max_abs_diff
+
+# (dp, cp, layout, causal, n_kv_heads, permute)
+CASES = [
+    (8, 1, "contiguous", True, 8, True),
+    (4, 2, "zigzag", True, 2, True),
+    (4, 2, "contiguous", False, 8, False),
+    (2, 4, "contiguous", True, 2, True),
+    (2, 4, "zigzag", True, 4, False),
+    (2, 4, "zigzag", False, 2, True),
+    (1, 8, "zigzag", True, 1, True),
+    (1, 8, "contiguous", True, 8, False),
+]
+
+
+@functools.cache
+def _run(dp, cp, layout, causal, kv, permute):
+    return run_attention("ring", mesh_lib.make_mesh(dp=dp, cp=cp), causal=causal, layout=layout, permute=permute,
+                         batch_size=8, seq_len=32, n_kv_heads=kv)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_ring_matches_reference_and_formula(case):
+    run = _run(*case)
+    assert_close(run.out, run.ref)
+    assert run.forward == run.formula_forward
+    assert run.backward == run.formula_backward
+    dp, cp = case[:2]
+    # exactly cp - 1 K/V permutes forward (plus the 6 of the relayout), cp-1 + cp backward
+    extra = 6 if case[2] == "zigzag" and case[5] and cp > 1 else 0
+    assert run.forward.get("collective-permute", (0, 0))[0] == (cp - 1 + extra if cp > 1 else 0)
+    assert run.backward.get("collective-permute", (0, 0))[0] == (2 * cp - 1 + extra if cp > 1 else 0)
+    assert set(run.forward) <= {"collective-permute"}
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_matches_jax_dot_product_attention(causal):
+    m = mesh_lib.make_mesh(dp=2, cp=4)
+    q, k, v, do = attention_inputs(4, 32, 8, 2, 4)
+    fn = jax.jit(lambda q, k, v: ring.ring_attention(q, k, v, mesh=m, causal=causal, layout="zigzag"))
+    out, vjp = jax.vjp(fn, q, k, v)
+    want, want_vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal), q, k, v)
+    assert_close(out, want)
+    assert_close(vjp(do), want_vjp(do))
+
+
+@pytest.mark.parametrize("cp, layout", [(2, "contiguous"), (4, "zigzag"), (8, "zigzag")])
+def test_custom_backward_equals_autodiff_of_the_forward(cp, layout):
+    m = mesh_lib.make_mesh(dp=8 // cp, cp=cp)
+    q, k, v, do = attention_inputs(8 // cp, 32, 4, 2, 4, seed=cp)
+    grads = []
+    for custom in (True, False):
+        fn = jax.jit(lambda q, k, v: ring.ring_attention(q, k, v, mesh=m, layout=layout, custom_backward=custom))
+        grads.append(jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do))(q, k, v, do))
+    assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("dp, cp, layout", [(2, 4, "zigzag"), (1, 8, "contiguous")])
+def test_float64_agrees_near_1e_13(x64, dp, cp, layout):
+    run = run_attention("ring", mesh_lib.make_mesh(dp=dp, cp=cp), layout=layout, batch_size=2 * dp,
+                        dtype=jnp.float64)
+    assert run.out[0].dtype == jnp.float64
+    assert max_abs_diff(run.out, run.ref) < 1e-13
+    assert_close(run.out, run.ref)
+
+
+def test_logits_of_1e4_give_no_nan_and_match_the_reference():
+    run = run_attention("ring", mesh_lib.make_mesh(dp=2, cp=4), layout="zigzag", scale=100.0)
+    leaves = jax.tree.leaves(run.out)
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in leaves)
+    q, k, _, _ = attention_inputs(4, 32, 8, 2, 4, scale=100.0)
+    assert float(jnp.max(jnp.abs(jnp.einsum("btnh,bsnh->bnts", q[:, :, :2], k)))) / 2 > 1e4
+    o, ref = run.out[0], run.ref[0]
+    # a softmax of logits 1e4 apart is one-hot: f32 rounding of the logits decides ties
+    assert_close(o, ref, scale=100)
+
+
+def test_heads_split_over_tp_as_well():
+    run = run_attention("ring", mesh_lib.make_mesh(cp=4, tp=2), layout="zigzag", batch_size=2, n_kv_heads=2)
+    assert_close(run.out, run.ref)
+    assert run.forward == run.formula_forward and run.backward == run.formula_backward
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_relayout_moves_rank_coded_tokens_exactly(cp):
+    m = mesh_lib.make_mesh(dp=8 // cp, cp=cp)
+    T = 4 * cp
+    x = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :, None], (8 // cp, T, 3))
+    spec = P("dp", "cp")
+    there = jax.jit(jax.shard_map(lambda a: ring.relayout_shard(a, axis="cp", layout="zigzag"),
+                                  mesh=m, in_specs=spec, out_specs=spec))
+    back = jax.jit(jax.shard_map(lambda a: ring.relayout_shard(a, axis="cp", layout="zigzag", inverse=True),
+                                 mesh=m, in_specs=spec, out_specs=spec))
+    y = there(x)
+    np.testing.assert_array_equal(y, zigzag.to_layout(x, cp, "zigzag"))
+    np.testing.assert_array_equal(back(y), x)
+
+
+def test_compiled_memory_never_holds_a_t_by_t_score_matrix():
+    """Forward + backward at T=1024 over cp=4: the compiled temp memory per device is below
+    one T x T score matrix of the local batch and heads (the dense program needs several)."""
+    B, T, N, K, H = 1, 1024, 2, 2, 8
+    m = mesh_lib.make_mesh(dp=2, cp=4)
+    q, k, v, do = attention_inputs(2 * B, T, N, K, H)
+    step = lambda f: jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
+    ring_temp = step(lambda q, k, v: ring.ring_attention(q, k, v, mesh=m, layout="zigzag")).lower(
+        q, k, v, do).compile().memory_analysis().temp_size_in_bytes
+    scores = B * N * T * T * 4     # one f32 score matrix of this device's batch rows and heads
+    assert ring_temp < scores / 2, (ring_temp, scores)

@@ -1,0 +1,76 @@
+"""Ulysses and 2-D (Ulysses x ring) attention against reference.attention: output, dQ, dK,
+dV on several meshes, grouped-query with KV heads split and repeated, causal or not, the
+4 all-to-alls of each program (and the ring's permutes) against the formulas, float64."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxpar import mesh as mesh_lib
+from jaxpar.context import ulysses
+from jaxpar.context.verify import attention_inputs, run_attention
+from jaxpar.testing import assert_close, max_abs_diff
+
+# (dp, cp, n_kv_heads, causal): K split over cp (K % cp == 0) or repeated (cp % K == 0)
+ULYSSES = [
+    (8, 1, 2, True),
+    (4, 2, 2, True),
+    (2, 4, 8, False),
+    (2, 4, 2, True),     # repeated: each KV head twice
+    (1, 8, 8, True),
+    (1, 8, 1, False),    # MQA: one KV head repeated 8 times
+]
+
+
+@functools.cache
+def _ulysses(dp, cp, kv, causal):
+    return run_attention("ulysses", mesh_lib.make_mesh(dp=dp, cp=cp), causal=causal, batch_size=2 * dp,
+                         n_kv_heads=kv)
+
+
+@pytest.mark.parametrize("case", ULYSSES, ids=str)
+def test_ulysses_matches_reference_and_formula(case):
+    run = _ulysses(*case)
+    assert_close(run.out, run.ref)
+    assert run.forward == run.formula_forward and run.backward == run.formula_backward
+    cp = case[1]
+    assert run.forward.get("all-to-all", (0, 0))[0] == (4 if cp > 1 else 0)
+    assert run.backward.get("all-to-all", (0, 0))[0] == (4 if cp > 1 else 0)
+
+
+# (mesh sizes, layout, n_kv_heads, permute)
+HYBRID = [
+    (dict(dp=2, cp=2, ucp=2), "zigzag", 2, True),
+    (dict(cp=2, ucp=4), "zigzag", 8, False),
+    (dict(cp=4, ucp=2), "contiguous", 2, True),
+    (dict(cp=4, ucp=2), "zigzag", 1, True),
+    (dict(cp=1, ucp=8), "contiguous", 8, True),
+    (dict(cp=8, ucp=1), "zigzag", 2, True),
+]
+
+
+@pytest.mark.parametrize("sizes, layout, kv, permute", HYBRID, ids=str)
+def test_hybrid_matches_reference_and_formula(sizes, layout, kv, permute):
+    dp = sizes.get("dp", 1)
+    run = run_attention("hybrid", mesh_lib.make_mesh(**sizes), layout=layout, permute=permute, batch_size=2 * dp,
+                        n_kv_heads=kv)
+    assert_close(run.out, run.ref)
+    assert run.forward == run.formula_forward and run.backward == run.formula_backward
+
+
+def test_ulysses_matches_jax_dot_product_attention():
+    m = mesh_lib.make_mesh(dp=2, cp=4)
+    q, k, v, do = attention_inputs(4, 16, 8, 4, 4)
+    out, vjp = jax.vjp(jax.jit(lambda q, k, v: ulysses.ulysses_attention(q, k, v, mesh=m)), q, k, v)
+    want, want_vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), q, k, v)
+    assert_close(out, want)
+    assert_close(vjp(do), want_vjp(do))
+
+
+@pytest.mark.parametrize("method, sizes", [("ulysses", dict(dp=2, cp=4)), ("hybrid", dict(dp=2, cp=2, ucp=2))])
+def test_float64_agrees_near_1e_13(x64, method, sizes):
+    run = run_attention(method, mesh_lib.make_mesh(**sizes), layout="zigzag", batch_size=4, dtype=jnp.float64)
+    assert max_abs_diff(run.out, run.ref) < 1e-13
+    assert_close(run.out, run.ref)

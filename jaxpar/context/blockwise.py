@@ -12,9 +12,11 @@ so the blocks can arrive in any order, one ring step at a time. The backward of 
 needs only q, k, v, the final lse and delta = rowsum(dO * O) (FlashAttention-2):
 p = exp(s - lse), dV = p^T dO, dS = p (dO V^T - delta), dQ = dS K, dK = dS^T Q.
 
-Shapes (grouped-query attention without repeating K/V: query head n = k*G + g reads KV
-head k, G = N/K): q and o [B, Tq, K, G, H], k and v [B, Tk, K, H], lse [B, Tq, K, G],
-scores [B, Tq, K, G, Tk]. A row whose every key is masked has lse = -inf and o = 0, and
+Shapes, heads-major so that every contraction is a plain batched matmul with no transpose
+of the scores (grouped-query attention without repeating K/V: query head n = k*G + g
+reads KV head k, G = N/K): q and o [B, K, G, Tq, H], k and v [B, K, Tk, H], lse
+[B, K, G, Tq], scores [B, K, G, Tq, Tk]; `group` / `ungroup` / `heads_major` convert from
+and to the [B, T, heads, H] of the public functions. A row whose every key is masked has lse = -inf and o = 0, and
 merges as the identity: nothing here divides by zero or subtracts infinities.
 Everything is computed in `acc_dtype(q.dtype)`: float32 at least (bf16 inputs
 accumulate in float32), float64 under x64.
@@ -55,15 +57,20 @@ def check_qkv(q, k, v, *, needed_by: str) -> tuple[int, int, int, int, int]:
 
 
 def group(x, n_kv: int):
-    """[B, T, N, H] -> [B, T, K, N/K, H]: query heads grouped by the KV head they read."""
+    """[B, T, N, H] -> [B, K, N/K, T, H]: query heads grouped by the KV head they read."""
     B, T, N, H = x.shape
-    return x.reshape(B, T, n_kv, N // n_kv, H)
+    return x.reshape(B, T, n_kv, N // n_kv, H).transpose(0, 2, 3, 1, 4)
 
 
 def ungroup(x):
-    """[B, T, K, G, H] -> [B, T, K*G, H]."""
-    B, T, K, G, H = x.shape
-    return x.reshape(B, T, K * G, H)
+    """[B, K, G, T, H] -> [B, T, K*G, H]."""
+    B, K, G, T, H = x.shape
+    return x.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, H)
+
+
+def heads_major(x):
+    """[B, T, K, H] <-> [B, K, T, H] (its own inverse)."""
+    return x.transpose(0, 2, 1, 3)
 
 
 def causal_mask(tq: int, tk: int):
@@ -72,7 +79,7 @@ def causal_mask(tq: int, tk: int):
 
 
 def _masked(s, mask):
-    return s if mask is None else jnp.where(mask[None, :, None, None, :], s, -jnp.inf)
+    return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 
 def _finite(x):
@@ -81,22 +88,22 @@ def _finite(x):
 
 
 def softmax_block(s, v, mask=None):
-    """(o, lse) of scores s [B, Tq, K, G, Tk] over values v [B, Tk, K, H]; masked scores
+    """(o, lse) of scores s [B, K, G, Tq, Tk] over values v [B, K, Tk, H]; masked scores
     (mask [Tq, Tk] False) take no part. Fully masked rows give o = 0, lse = -inf."""
     s = _masked(s, mask)
     m = jax.lax.stop_gradient(_finite(jnp.max(s, axis=-1)))  # a shift: o and lse do not depend on it
     p = jnp.exp(s - m[..., None])
     total = jnp.sum(p, axis=-1)
     safe = jnp.where(total > 0, total, jnp.ones_like(total))
-    o = jnp.einsum("bqkgs,bskh->bqkgh", p, v.astype(p.dtype)) / safe[..., None]
+    o = jnp.einsum("bkgqs,bksh->bkgqh", p, v.astype(p.dtype)) / safe[..., None]
     lse = jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
     return o, lse
 
 
 def scores(q, k, scale):
-    """s = q k^T * scale in acc_dtype: [B, Tq, K, G, Tk]."""
+    """s = q k^T * scale in acc_dtype: [B, K, G, Tq, Tk]."""
     dt = acc_dtype(q.dtype)
-    return jnp.einsum("bqkgh,bskh->bqkgs", q.astype(dt), k.astype(dt)) * jnp.asarray(scale, dt)
+    return jnp.einsum("bkgqh,bksh->bkgqs", q.astype(dt), k.astype(dt)) * jnp.asarray(scale, dt)
 
 
 def attend(q, k, v, *, scale, mask=None):
@@ -121,9 +128,109 @@ def attend_backward(q, k, v, do, lse, delta, *, scale, mask=None):
     q, k, v, do = (a.astype(dt) for a in (q, k, v, do))
     s = _masked(scores(q, k, scale), mask)
     p = jnp.exp(s - _finite(lse)[..., None])            # masked scores are -inf: p = 0
-    dv = jnp.einsum("bqkgs,bqkgh->bskh", p, do)
-    dp = jnp.einsum("bqkgh,bskh->bqkgs", do, v)
+    dv = jnp.einsum("bkgqs,bkgqh->bksh", p, do)
+    dp = jnp.einsum("bkgqh,bksh->bkgqs", do, v)
     ds = p * (dp - delta[..., None]) * jnp.asarray(scale, dt)
-    dq = jnp.einsum("bqkgs,bskh->bqkgh", ds, k)
-    dk = jnp.einsum("bqkgs,bqkgh->bskh", ds, q)
+    dq = jnp.einsum("bkgqs,bksh->bkgqh", ds, k)
+    dk = jnp.einsum("bkgqs,bkgqh->bksh", ds, q)
     return dq, dk, dv
+
+
+def chunk_size(tokens: int, chunk: int) -> int:
+    """The key-chunk length for a block of `tokens` keys: the largest divisor of tokens
+    that is <= chunk, or the whole block when that divisor would be under chunk/4 (a
+    length with no useful divisor is not cut into slivers)."""
+    if tokens <= chunk:
+        return tokens
+    size = max(d for d in range(1, chunk + 1) if tokens % d == 0)
+    return size if 4 * size >= chunk else tokens
+
+
+def _split_keys(x, size: int):
+    """[B, K, T, H] -> [T/size, B, K, size, H]: the chunks as a scan's leading axis."""
+    B, K, T, H = x.shape
+    return x.reshape(B, K, T // size, size, H).transpose(2, 0, 1, 3, 4)
+
+
+def _join_keys(x):
+    n, B, K, size, H = x.shape
+    return x.transpose(1, 2, 0, 3, 4).reshape(B, K, n * size, H)
+
+
+def _chunk_mask(tq: int, size: int, j, causal: bool):
+    """Key chunk j of a diagonal block: query i sees key j*size + s when it is <= i."""
+    if not causal:
+        return None
+    return jnp.arange(tq)[:, None] >= j * size + jnp.arange(size)[None, :]
+
+
+def attend_chunked(q, k, v, *, scale, causal: bool = False, chunk: int):
+    """attend() with the keys taken `chunk` at a time (lax.scan, merged online): scores of
+    Tq x chunk at a time instead of Tq x Tk. causal=True is the diagonal block (query i
+    sees key j <= i, equal positions)."""
+    size = chunk_size(k.shape[2], chunk)
+    n = k.shape[2] // size
+    tq = q.shape[3]
+    if n == 1:
+        return attend(q, k, v, scale=scale, mask=causal_mask(tq, size) if causal else None)
+    ks, vs = _split_keys(k, size), _split_keys(v, size)
+    first = attend(q, ks[0], vs[0], scale=scale, mask=_chunk_mask(tq, size, 0, causal))
+
+    def body(carry, xs):
+        kc, vc, j = xs
+        return merge(*carry, *attend(q, kc, vc, scale=scale, mask=_chunk_mask(tq, size, j, causal))), None
+    return jax.lax.scan(body, first, (ks[1:], vs[1:], jnp.arange(1, n)))[0]
+
+
+def attend_backward_chunked(q, k, v, do, lse, delta, *, scale, causal: bool = False, chunk: int):
+    """attend_backward() with the keys taken `chunk` at a time: dq accumulates over the
+    chunks, each chunk's dk and dv are its own."""
+    size = chunk_size(k.shape[2], chunk)
+    n = k.shape[2] // size
+    tq = q.shape[3]
+    if n == 1:
+        return attend_backward(q, k, v, do, lse, delta, scale=scale, mask=causal_mask(tq, size) if causal else None)
+    ks, vs = _split_keys(k, size), _split_keys(v, size)
+    dq, dk0, dv0 = attend_backward(q, ks[0], vs[0], do, lse, delta, scale=scale, mask=_chunk_mask(tq, size, 0, causal))
+
+    def body(dq, xs):
+        kc, vc, j = xs
+        bq, bk, bv = attend_backward(q, kc, vc, do, lse, delta, scale=scale, mask=_chunk_mask(tq, size, j, causal))
+        return dq + bq, (bk, bv)
+    dq, (dk, dv) = jax.lax.scan(body, dq, (ks[1:], vs[1:], jnp.arange(1, n)))
+    join = lambda first, rest: _join_keys(jnp.concatenate([first[None], rest]))
+    return dq, join(dk0, dk), join(dv0, dv)
+
+
+def _halve(x, axis: int):
+    h = x.shape[axis] // 2
+    return jax.lax.slice_in_dim(x, 0, h, axis=axis), jax.lax.slice_in_dim(x, h, 2 * h, axis=axis)
+
+
+def attend_diagonal(q, k, v, *, scale, chunk: int):
+    """(o, lse) of the diagonal block (query i sees key j <= i) without computing what lies
+    above the diagonal: halve it into [first q x first k] (diagonal again), [late q x
+    first k] (whole, no mask) and [late q x late k] (diagonal again), down to `chunk`
+    tokens. Work 2t^2 + t*chunk-ish instead of the masked block's 4 (t/2)^2 * 4."""
+    t = q.shape[3]
+    if t <= chunk or t % 2:
+        return attend_chunked(q, k, v, scale=scale, causal=True, chunk=chunk)
+    (q1, q2), (k1, k2), (v1, v2) = _halve(q, 3), _halve(k, 2), _halve(v, 2)
+    o1, lse1 = attend_diagonal(q1, k1, v1, scale=scale, chunk=chunk)
+    o2, lse2 = merge(*attend_chunked(q2, k1, v1, scale=scale, chunk=chunk),
+                     *attend_diagonal(q2, k2, v2, scale=scale, chunk=chunk))
+    return jnp.concatenate([o1, o2], axis=3), jnp.concatenate([lse1, lse2], axis=-1)
+
+
+def attend_diagonal_backward(q, k, v, do, lse, delta, *, scale, chunk: int):
+    """(dq, dk, dv) of attend_diagonal, by the same halving."""
+    t = q.shape[3]
+    if t <= chunk or t % 2:
+        return attend_backward_chunked(q, k, v, do, lse, delta, scale=scale, causal=True, chunk=chunk)
+    (q1, q2), (k1, k2), (v1, v2), (do1, do2) = _halve(q, 3), _halve(k, 2), _halve(v, 2), _halve(do, 3)
+    (l1, l2), (d1, d2) = _halve(lse, lse.ndim - 1), _halve(delta, delta.ndim - 1)
+    dq1, dk1, dv1 = attend_diagonal_backward(q1, k1, v1, do1, l1, d1, scale=scale, chunk=chunk)
+    dq2, dk1b, dv1b = attend_backward_chunked(q2, k1, v1, do2, l2, d2, scale=scale, chunk=chunk)
+    dq2b, dk2, dv2 = attend_diagonal_backward(q2, k2, v2, do2, l2, d2, scale=scale, chunk=chunk)
+    return (jnp.concatenate([dq1, dq2 + dq2b], axis=3), jnp.concatenate([dk1 + dk1b, dk2], axis=2),
+            jnp.concatenate([dv1 + dv1b, dv2], axis=2))

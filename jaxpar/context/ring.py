@@ -34,59 +34,65 @@ from jaxpar import errors
 from jaxpar import mesh as mesh_lib
 from jaxpar.collectives import ring_pairs
 from jaxpar.context import zigzag
-from jaxpar.context.blockwise import (acc_dtype, attend, attend_backward, causal_mask, check_qkv, group,
-                                      merge, ungroup)
+from jaxpar.context.blockwise import (acc_dtype, attend_backward_chunked, attend_chunked, attend_diagonal,
+                                      attend_diagonal_backward, check_qkv, group, heads_major, merge, ungroup)
 from jaxpar.context.zigzag import DIAGONAL, EARLY_KV, FULL, LATE_Q, SKIP
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import CP, DP, TP
+
+CHUNK = 128         # keys per chunk inside a block (benchmarks/context.py measures the choice)
+MAX_CHUNK = 1 << 20
 
 
 def _size(axis) -> int:
     return 1 if axis is None else jax.lax.axis_size(axis)
 
 
-def _block(kind: int, q, kv, scale):
+def _block(kind: int, q, kv, scale, chunk):
     """(o, lse) of one block kind over the queries q it covers (all or the late half)."""
     k, v = kv[0], kv[1]
-    t = q.shape[1]
+    t = q.shape[3]
+    run = functools.partial(attend_chunked, scale=scale, chunk=chunk)
     if kind == FULL:
-        return attend(q, k, v, scale=scale)
+        return run(q, k, v)
     if kind == DIAGONAL:
-        return attend(q, k, v, scale=scale, mask=causal_mask(t, t))
+        return attend_diagonal(q, k, v, scale=scale, chunk=chunk)
     c = t // 2
     if kind == EARLY_KV:
-        return attend(q, k[:, :c], v[:, :c], scale=scale)
-    return attend(q[:, c:], k, v, scale=scale)          # LATE_Q
+        return run(q, k[:, :, :c], v[:, :, :c])
+    return run(q[:, :, :, c:], k, v)          # LATE_Q
 
 
-def _forward_step(kind: int, q, scale, o, lse, kv):
+def _forward_step(kind: int, q, scale, chunk, o, lse, kv):
     """The running (o, lse) after merging one block of `kind`."""
     if kind == SKIP:
         return o, lse
-    bo, blse = _block(kind, q, kv, scale)
+    bo, blse = _block(kind, q, kv, scale, chunk)
     if kind == LATE_Q:
-        c = q.shape[1] // 2
-        lo, llse = merge(o[:, c:], lse[:, c:], bo, blse)
-        return o.at[:, c:].set(lo), lse.at[:, c:].set(llse)
+        c = q.shape[3] // 2
+        lo, llse = merge(o[:, :, :, c:], lse[..., c:], bo, blse)
+        return o.at[:, :, :, c:].set(lo), lse.at[..., c:].set(llse)
     return merge(o, lse, bo, blse)
 
 
-def _backward_step(kind: int, q, do, lse, delta, scale, dq, dkv, kv):
+def _backward_step(kind: int, q, do, lse, delta, scale, chunk, dq, dkv, kv):
     """(dq, dkv) after adding one block's gradients (dkv stacked [dk, dv])."""
     if kind == SKIP:
         return dq, dkv
     k, v = kv[0], kv[1]
-    t = q.shape[1]
+    t = q.shape[3]
+    run = functools.partial(attend_backward_chunked, scale=scale, chunk=chunk)
     if kind in (FULL, DIAGONAL):
-        mask = causal_mask(t, t) if kind == DIAGONAL else None
-        bq, bk, bv = attend_backward(q, k, v, do, lse, delta, scale=scale, mask=mask)
+        block = run if kind == FULL else functools.partial(attend_diagonal_backward, scale=scale, chunk=chunk)
+        bq, bk, bv = block(q, k, v, do, lse, delta)
         return dq + bq, dkv + jnp.stack([bk, bv])
     c = t // 2
     if kind == EARLY_KV:
-        bq, bk, bv = attend_backward(q, k[:, :c], v[:, :c], do, lse, delta, scale=scale)
-        return dq + bq, dkv.at[:, :, :c].add(jnp.stack([bk, bv]))
-    bq, bk, bv = attend_backward(q[:, c:], k, v, do[:, c:], lse[:, c:], delta[:, c:], scale=scale)
-    return dq.at[:, c:].add(bq), dkv + jnp.stack([bk, bv])
+        bq, bk, bv = run(q, k[:, :, :c], v[:, :, :c], do, lse, delta)
+        return dq + bq, dkv.at[:, :, :, :c].add(jnp.stack([bk, bv]))
+    late = lambda x: x[..., c:, :]
+    bq, bk, bv = run(late(q), k, v, late(do), lse[..., c:], delta[..., c:])
+    return dq.at[:, :, :, c:].add(bq), dkv + jnp.stack([bk, bv])
 
 
 def _dispatch(table: np.ndarray, axis, step_fn):
@@ -125,27 +131,27 @@ def _ring(cp: int, axis, kv, first, step, after=lambda state: state):
     return state
 
 
-def _forward(q, kv, axis, causal, layout):
-    """(o, lse) of grouped q [B, Tq, K, G, H] over the ring's stacked K/V; o in q's dtype."""
+def _forward(q, kv, axis, causal, layout, chunk):
+    """(o, lse) of grouped q [B, K, G, Tq, H] over the ring's stacked K/V [2, B, K, Tk, H]; o in q's dtype."""
     cp = _size(axis)
     scale = 1.0 / math.sqrt(q.shape[-1])
     table = zigzag.plan(cp, layout, causal)
-    step = _dispatch(table, axis, lambda kind, state, kv: _forward_step(kind, q, scale, *state, kv))
-    o, lse = _ring(cp, axis, kv, lambda kv: _block(int(table[0, 0]), q, kv, scale), step)
+    step = _dispatch(table, axis, lambda kind, state, kv: _forward_step(kind, q, scale, chunk, *state, kv))
+    o, lse = _ring(cp, axis, kv, lambda kv: _block(int(table[0, 0]), q, kv, scale, chunk), step)
     return o.astype(q.dtype), lse
 
 
-def _backward(q, kv, o, lse, do, axis, causal, layout):
+def _backward(q, kv, o, lse, do, axis, causal, layout, chunk):
     cp = _size(axis)
     scale = 1.0 / math.sqrt(q.shape[-1])
     table = zigzag.plan(cp, layout, causal)
     dt = acc_dtype(q.dtype)
     delta = jnp.sum(do.astype(dt) * o.astype(dt), axis=-1)
-    step = _dispatch(table, axis, lambda kind, state, kv: _backward_step(kind, q, do, lse, delta, scale, *state, kv))
+    step = _dispatch(table, axis, lambda kind, state, kv: _backward_step(kind, q, do, lse, delta, scale, chunk, *state, kv))
 
     def first(kv):
         zeros = (jnp.zeros(q.shape, dt), jnp.zeros(kv.shape, dt))
-        return _backward_step(int(table[0, 0]), q, do, lse, delta, scale, *zeros, kv)
+        return _backward_step(int(table[0, 0]), q, do, lse, delta, scale, chunk, *zeros, kv)
 
     send = lambda x: jax.lax.ppermute(x, axis, ring_pairs(cp))
     after = (lambda state: (state[0], send(state[1]))) if cp > 1 else (lambda state: state)
@@ -153,24 +159,24 @@ def _backward(q, kv, o, lse, do, axis, causal, layout):
     return dq.astype(q.dtype), dkv.astype(kv.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _ring_attention(q, kv, axis, causal, layout):
-    return _forward(q, kv, axis, causal, layout)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _ring_attention(q, kv, axis, causal, layout, chunk):
+    return _forward(q, kv, axis, causal, layout, chunk)[0]
 
 
-def _ring_fwd(q, kv, axis, causal, layout):
-    o, lse = _forward(q, kv, axis, causal, layout)
+def _ring_fwd(q, kv, axis, causal, layout, chunk):
+    o, lse = _forward(q, kv, axis, causal, layout, chunk)
     return o, (q, kv, o, lse)
 
 
-def _ring_bwd(axis, causal, layout, res, do):
-    return _backward(*res, do, axis, causal, layout)
+def _ring_bwd(axis, causal, layout, chunk, res, do):
+    return _backward(*res, do, axis, causal, layout, chunk)
 
 
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)
 
 
-def relayout_shard(x, *, axis, layout: str, inverse: bool = False, seq_dim: int = 1):
+def relayout_shard(x, *, axis, layout: str, inverse: bool = False, seq_dim: int = 3):
     """This rank's tokens of a sequence split contiguously over `axis`, returned as its
     tokens in `layout` (inverse=True: the way back). For zigzag two collective-permutes
     of half the local tokens each: rank i needs chunks i and 2cp-1-i, one even and one
@@ -197,33 +203,37 @@ def relayout_shard(x, *, axis, layout: str, inverse: bool = False, seq_dim: int 
 
 
 def ring_attention_shard(q, k, v, *, axis=CP, causal: bool = True, layout: str = "contiguous",
-                         relayout: bool = False, custom_backward: bool = True):
+                         relayout: bool = False, chunk: int = CHUNK, custom_backward: bool = True):
     """Attention of this shard's queries over the whole ring's keys, inside shard_map.
 
     q [B, Tc, N, H], k and v [B, Tc, K, H], Tc = T/cp: this rank's tokens, in `layout`
     order (zigzag.to_layout); relayout=True takes them in natural order instead and
     swaps them into the layout and back (`relayout_shard`, 6 collective-permutes under
     zigzag). `axis` names the ring (None: one device, no communication). Returns
-    [B, Tc, N, H]. custom_backward=False differentiates the forward loop by autodiff
-    (it keeps every block's scores: the reference for the memory-efficient backward).
+    [B, Tc, N, H]. Each block's keys are taken `chunk` at a time (blockwise.chunk_size),
+    so scores are Tc x chunk at a time, never Tc x Tc. custom_backward=False
+    differentiates the forward loop by autodiff (it keeps every block's scores: the
+    reference for the memory-efficient backward).
     """
     errors.flag("causal", causal)
     errors.flag("relayout", relayout)
     errors.flag("custom_backward", custom_backward)
+    errors.whole("chunk", chunk, maximum=MAX_CHUNK)
     zigzag.check_layout(layout)
     B, T, N, K, H = check_qkv(q, k, v, needed_by="ring_attention_shard")
     if layout == "zigzag" and T % 2:
         raise ConfigError(f"each rank holds {T} tokens: the zigzag layout needs an even number (two chunks per "
                           "rank). Fix: a sequence length that is a multiple of 2*cp")
     move = functools.partial(relayout_shard, axis=axis, layout=layout if relayout else "contiguous")
-    o = _ring_kv(move(group(q, K)), move(jnp.stack([k, v]), seq_dim=2), axis, causal, layout, custom_backward)
+    kv = jnp.stack([heads_major(k), heads_major(v)])            # [2, B, K, Tc, H]: one buffer travels
+    o = _ring_kv(move(group(q, K)), move(kv), axis, causal, layout, chunk, custom_backward)
     return ungroup(move(o, inverse=True))
 
 
-def _ring_kv(q, kv, axis, causal, layout, custom_backward):
+def _ring_kv(q, kv, axis, causal, layout, chunk, custom_backward):
     if custom_backward:
-        return _ring_attention(q, kv, axis, causal, layout)
-    return _forward(q, kv, axis, causal, layout)[0]
+        return _ring_attention(q, kv, axis, causal, layout, chunk)
+    return _forward(q, kv, axis, causal, layout, chunk)[0]
 
 
 def specs(mesh, *, seq_axes: tuple[str, ...], n_heads: int, n_kv_heads: int, batch_size: int,
@@ -242,7 +252,7 @@ def specs(mesh, *, seq_axes: tuple[str, ...], n_heads: int, n_kv_heads: int, bat
 
 
 def ring_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "contiguous", axis: str = CP,
-                   permute: bool = True, custom_backward: bool = True):
+                   permute: bool = True, chunk: int = CHUNK, custom_backward: bool = True):
     """Ring attention on global arrays: q [B, T, N, H], k and v [B, T, K, H]; equal to
     reference.attention(q, k, v, causal=causal). The sequence is split over `axis` of
     `mesh` (cp), the batch over dp and the heads over tp where the mesh has them.
@@ -259,5 +269,6 @@ def ring_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "contigu
     spec = specs(mesh, seq_axes=(axis,), n_heads=N, n_kv_heads=K, batch_size=B, needed_by="ring_attention")
     zigzag.check_sequence(T, mesh_lib.axis_size(mesh, axis), layout)
     shard = functools.partial(ring_attention_shard, axis=axis, causal=errors.flag("causal", causal), layout=layout,
-                              relayout=permute, custom_backward=errors.flag("custom_backward", custom_backward))
+                              relayout=permute, chunk=errors.whole("chunk", chunk, maximum=MAX_CHUNK),
+                              custom_backward=errors.flag("custom_backward", custom_backward))
     return jax.shard_map(shard, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)

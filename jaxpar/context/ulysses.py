@@ -33,7 +33,7 @@ from jaxpar import errors
 from jaxpar import mesh as mesh_lib
 from jaxpar.context import zigzag
 from jaxpar.context.blockwise import check_qkv
-from jaxpar.context.ring import ring_attention_shard, specs
+from jaxpar.context.ring import CHUNK, MAX_CHUNK, ring_attention_shard, specs
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import CP, UCP
 
@@ -63,7 +63,7 @@ def _to_sequence(x, axis):
 
 
 def hybrid_attention_shard(q, k, v, *, ulysses_axis=UCP, ring_axis=CP, causal: bool = True,
-                           layout: str = "contiguous", relayout: bool = False):
+                           layout: str = "contiguous", relayout: bool = False, chunk: int = CHUNK):
     """Attention of this shard's tokens, inside shard_map over both context axes.
 
     q [B, Tc, N, H], k and v [B, Tc, K, H], Tc = T/(cp*u): this device's tokens, the
@@ -82,7 +82,7 @@ def hybrid_attention_shard(q, k, v, *, ulysses_axis=UCP, ring_axis=CP, causal: b
         if sent != K:
             k, v = (jnp.repeat(a, sent // K, axis=2) for a in (k, v))
         q, k, v = (_to_heads(a, ulysses_axis) for a in (q, k, v))
-    o = ring_attention_shard(q, k, v, axis=ring_axis, causal=causal, layout=layout, relayout=relayout)
+    o = ring_attention_shard(q, k, v, axis=ring_axis, causal=causal, layout=layout, relayout=relayout, chunk=chunk)
     return _to_sequence(o, ulysses_axis) if u > 1 else o
 
 
@@ -92,7 +92,7 @@ def ulysses_attention_shard(q, k, v, *, axis=CP, causal: bool = True):
 
 
 def hybrid_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "contiguous", ring_axis: str | None = CP,
-                     ulysses_axis: str | None = UCP, permute: bool = True):
+                     ulysses_axis: str | None = UCP, permute: bool = True, chunk: int = CHUNK):
     """2-D context parallelism on global arrays q [B, T, N, H], k and v [B, T, K, H]:
     Ulysses over `ulysses_axis` inside, ring attention over `ring_axis` outside; equal
     to reference.attention(q, k, v, causal=causal). Batch over dp and heads over tp
@@ -113,10 +113,11 @@ def hybrid_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "conti
     mesh_lib.require_divisible("seq_len", T, mesh, axes, why="each device holds seq_len/(cp*u) tokens")
     zigzag.check_sequence(T, cp, layout)
     shard = functools.partial(hybrid_attention_shard, ulysses_axis=ulysses_axis if u > 1 else None,
-                              ring_axis=ring_axis, causal=causal, layout=layout, relayout=permute)
+                              ring_axis=ring_axis, causal=causal, layout=layout, relayout=permute,
+                              chunk=errors.whole("chunk", chunk, maximum=MAX_CHUNK))
     return jax.shard_map(shard, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
 
 
-def ulysses_attention(q, k, v, *, mesh, causal: bool = True, axis: str = CP):
+def ulysses_attention(q, k, v, *, mesh, causal: bool = True, axis: str = CP, chunk: int = CHUNK):
     """Ulysses on global arrays over `axis` (cp): equal to reference.attention."""
-    return hybrid_attention(q, k, v, mesh=mesh, causal=causal, ring_axis=None, ulysses_axis=axis)
+    return hybrid_attention(q, k, v, mesh=mesh, causal=causal, ring_axis=None, ulysses_axis=axis, chunk=chunk)

@@ -5,7 +5,7 @@ random, not only the hand-picked ones of test_ring.py and test_ulysses.py.
 Drawn: the method; cp (and ucp) with dp filling the 8 devices; layout; causal or not;
 heads N, KV heads K (any divisor of N the method accepts), head dim, batch, sequence
 length (a multiple of what the layout needs, odd chunks included); natural or layout
-order in. Each example compiles a forward, a backward and the reference, so few are drawn."""
+order in; keys per chunk. Each example compiles a forward, a backward and the reference, so few are drawn."""
 
 import jax
 from hypothesis import HealthCheck, given, settings
@@ -35,7 +35,7 @@ def cases(draw):
     return dict(method=method, sizes=sizes, layout=layout, causal=draw(st.booleans()),
                 permute=draw(st.booleans()), batch_size=dp * draw(st.sampled_from([1, 2])), seq_len=seq,
                 n_heads=n_heads, n_kv_heads=kv, head_dim=draw(st.sampled_from([2, 4, 8])),
-                seed=draw(st.integers(0, 100)))
+                seed=draw(st.integers(0, 100)), chunk=draw(st.sampled_from([1, 2, 3, 128])))
 
 
 @settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

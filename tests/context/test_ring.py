@@ -50,6 +50,17 @@ def test_ring_matches_reference_and_formula(case):
     assert set(run.forward) <= {"collective-permute"}
 
 
+@pytest.mark.parametrize("dp, cp, layout, chunk", [(2, 4, "zigzag", 1), (2, 4, "zigzag", 4), (2, 4, "contiguous", 3),
+                                                   (1, 8, "contiguous", 2), (8, 1, "contiguous", 5)])
+def test_keys_in_chunks_and_the_halved_diagonal_change_nothing(dp, cp, layout, chunk):
+    """Blocks of 6 (cp 8) to 48 (cp 1) local tokens cut into chunks of 1..5 keys, the
+    diagonal halved down to them: chunks that divide, that do not (3 of 6 for 4), odd."""
+    run = run_attention("ring", mesh_lib.make_mesh(dp=dp, cp=cp), layout=layout, batch_size=2 * dp, seq_len=48,
+                        chunk=chunk)
+    assert_close(run.out, run.ref)
+    assert run.forward == run.formula_forward and run.backward == run.formula_backward
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_ring_matches_jax_dot_product_attention(causal):
     m = mesh_lib.make_mesh(dp=2, cp=4)
@@ -104,9 +115,9 @@ def test_relayout_moves_rank_coded_tokens_exactly(cp):
     T = 4 * cp
     x = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :, None], (8 // cp, T, 3))
     spec = P("dp", "cp")
-    there = jax.jit(jax.shard_map(lambda a: ring.relayout_shard(a, axis="cp", layout="zigzag"),
+    there = jax.jit(jax.shard_map(lambda a: ring.relayout_shard(a, axis="cp", layout="zigzag", seq_dim=1),
                                   mesh=m, in_specs=spec, out_specs=spec))
-    back = jax.jit(jax.shard_map(lambda a: ring.relayout_shard(a, axis="cp", layout="zigzag", inverse=True),
+    back = jax.jit(jax.shard_map(lambda a: ring.relayout_shard(a, axis="cp", layout="zigzag", inverse=True, seq_dim=1),
                                  mesh=m, in_specs=spec, out_specs=spec))
     y = there(x)
     np.testing.assert_array_equal(y, zigzag.to_layout(x, cp, "zigzag"))

@@ -164,22 +164,38 @@ def _chunk_mask(tq: int, size: int, j, causal: bool):
     return jnp.arange(tq)[:, None] >= j * size + jnp.arange(size)[None, :]
 
 
+def _partial(s, v, mask):
+    """(numerator, denominator, max) of one chunk: sum_j exp(s_j - m) v_j, sum_j exp(s_j - m), m."""
+    s = _masked(s, mask)
+    m = jax.lax.stop_gradient(_finite(jnp.max(s, axis=-1)))
+    p = jnp.exp(s - m[..., None])
+    return jnp.einsum("bkgqs,bksh->bkgqh", p, v.astype(p.dtype)), jnp.sum(p, axis=-1), m
+
+
 def attend_chunked(q, k, v, *, scale, causal: bool = False, chunk: int):
-    """attend() with the keys taken `chunk` at a time (lax.scan, merged online): scores of
-    Tq x chunk at a time instead of Tq x Tk. causal=True is the diagonal block (query i
-    sees key j <= i, equal positions)."""
+    """attend() with the keys taken `chunk` at a time (lax.scan): scores of Tq x chunk at a
+    time instead of Tq x Tk. Inside the block the sums stay unnormalised (numerator,
+    denominator, running max, as FlashAttention keeps them) and are divided once at the
+    end, so cutting a block into chunks adds no rounding. causal=True is the diagonal
+    block (query i sees key j <= i, equal positions)."""
     size = chunk_size(k.shape[2], chunk)
     n = k.shape[2] // size
     tq = q.shape[3]
     if n == 1:
         return attend(q, k, v, scale=scale, mask=causal_mask(tq, size) if causal else None)
     ks, vs = _split_keys(k, size), _split_keys(v, size)
-    first = attend(q, ks[0], vs[0], scale=scale, mask=_chunk_mask(tq, size, 0, causal))
+    first = _partial(scores(q, ks[0], scale), vs[0], _chunk_mask(tq, size, 0, causal))
 
     def body(carry, xs):
+        num, den, m = carry
         kc, vc, j = xs
-        return merge(*carry, *attend(q, kc, vc, scale=scale, mask=_chunk_mask(tq, size, j, causal))), None
-    return jax.lax.scan(body, first, (ks[1:], vs[1:], jnp.arange(1, n)))[0]
+        cnum, cden, cm = _partial(scores(q, kc, scale), vc, _chunk_mask(tq, size, j, causal))
+        new = jnp.maximum(m, cm)
+        a, b = jnp.exp(m - new), jnp.exp(cm - new)
+        return (num * a[..., None] + cnum * b[..., None], den * a + cden * b, new), None
+    num, den, m = jax.lax.scan(body, first, (ks[1:], vs[1:], jnp.arange(1, n)))[0]
+    safe = jnp.where(den > 0, den, jnp.ones_like(den))
+    return num / safe[..., None], jnp.where(den > 0, m + jnp.log(safe), -jnp.inf)
 
 
 def attend_backward_chunked(q, k, v, do, lse, delta, *, scale, causal: bool = False, chunk: int):

@@ -24,6 +24,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --durations=15
 
 bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	$(BIN)/python -m benchmarks.run
 
 clean:

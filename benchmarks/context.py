@@ -16,7 +16,9 @@ Rows, all from compiled programs (8 fake CPU devices by default; cp=4 uses 4 of 
           attention on one device (jax.nn.dot_product_attention); ratio of medians of REPEATS
           alternated runs after warm-up, and the max error of each (output, dQ, dK,
           dV) against reference.attention in float64 (equal accuracy is part of the
-          claim: against the float32 reference a program that rounds like it looks better).
+          claim: against the float32 reference a program that rounds like it looks better);
+  chunk   jaxpar's ring at key chunks of 64 .. 512 and whole blocks, against the default
+          `ring.CHUNK` (why 128 on CPU: the chunk's scores stay in cache).
 
 `ringattention` is optional (`pip install ringattention einops`); its package __init__
 calls a JAX API removed in current releases, so its ringattention_jax module is loaded
@@ -146,7 +148,20 @@ def peer_rows(T: int = 4096) -> list[dict]:
     return rows
 
 
+def chunk_rows(T: int = 4096, chunks=(64, 128, 256, 512, 1 << 20)) -> list[dict]:
+    """jaxpar's ring at each key-chunk length (the last: whole blocks), against the default."""
+    m = _mesh()
+    q, k, v, do = attention_inputs(1, T, N, N, H)
+    fns = {c: _step(lambda q, k, v, c=c: ring.ring_attention(q, k, v, mesh=m, layout="zigzag", chunk=c))
+           for c in chunks}
+    times = _time(fns, (q, k, v, do), repeats=3)
+    base = statistics.median(times[ring.CHUNK])
+    return [{"row": "chunk", "T": T, "cp": CP, "program": f"chunk {c}" if c < T else "whole blocks",
+             "fwd+bwd s": round(statistics.median(ts), 3), "default / this": round(base / statistics.median(ts), 3),
+             "note": "the default (ring.CHUNK)" if c == ring.CHUNK else ""} for c, ts in times.items()]
+
+
 def run() -> list[dict]:
     if len(jax.devices()) < CP:
         return [{"row": "skipped", "reason": f"needs {CP} devices, {len(jax.devices())} present"}]
-    return memory_rows() + peer_rows()
+    return memory_rows() + peer_rows() + chunk_rows()

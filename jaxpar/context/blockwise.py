@@ -223,30 +223,34 @@ def _halve(x, axis: int):
     return jax.lax.slice_in_dim(x, 0, h, axis=axis), jax.lax.slice_in_dim(x, h, 2 * h, axis=axis)
 
 
-def attend_diagonal(q, k, v, *, scale, chunk: int):
-    """(o, lse) of the diagonal block (query i sees key j <= i) without computing what lies
-    above the diagonal: halve it into [first q x first k] (diagonal again), [late q x
-    first k] (whole, no mask) and [late q x late k] (diagonal again), down to `chunk`
-    tokens. Work 2t^2 + t*chunk-ish instead of the masked block's 4 (t/2)^2 * 4."""
+DIAGONAL_DEPTH = 3   # halvings of a diagonal block: 2^3 masked leaves, so the program does not grow with T
+
+
+def attend_diagonal(q, k, v, *, scale, chunk: int, depth: int = DIAGONAL_DEPTH):
+    """(o, lse) of the diagonal block (query i sees key j <= i) without computing most of
+    what lies above the diagonal: halve it into [first q x first k] (diagonal again),
+    [late q x first k] (whole, no mask) and [late q x late k] (diagonal again), `depth`
+    times or down to `chunk` tokens. The leaves are masked blocks: t^2/2 + t^2/2^(depth+1)
+    score elements instead of the masked block's t^2, with a program of fixed size."""
     t = q.shape[3]
-    if t <= chunk or t % 2:
+    if t <= chunk or t % 2 or depth == 0:
         return attend_chunked(q, k, v, scale=scale, causal=True, chunk=chunk)
     (q1, q2), (k1, k2), (v1, v2) = _halve(q, 3), _halve(k, 2), _halve(v, 2)
-    o1, lse1 = attend_diagonal(q1, k1, v1, scale=scale, chunk=chunk)
+    o1, lse1 = attend_diagonal(q1, k1, v1, scale=scale, chunk=chunk, depth=depth - 1)
     o2, lse2 = merge(*attend_chunked(q2, k1, v1, scale=scale, chunk=chunk),
-                     *attend_diagonal(q2, k2, v2, scale=scale, chunk=chunk))
+                     *attend_diagonal(q2, k2, v2, scale=scale, chunk=chunk, depth=depth - 1))
     return jnp.concatenate([o1, o2], axis=3), jnp.concatenate([lse1, lse2], axis=-1)
 
 
-def attend_diagonal_backward(q, k, v, do, lse, delta, *, scale, chunk: int):
+def attend_diagonal_backward(q, k, v, do, lse, delta, *, scale, chunk: int, depth: int = DIAGONAL_DEPTH):
     """(dq, dk, dv) of attend_diagonal, by the same halving."""
     t = q.shape[3]
-    if t <= chunk or t % 2:
+    if t <= chunk or t % 2 or depth == 0:
         return attend_backward_chunked(q, k, v, do, lse, delta, scale=scale, causal=True, chunk=chunk)
     (q1, q2), (k1, k2), (v1, v2), (do1, do2) = _halve(q, 3), _halve(k, 2), _halve(v, 2), _halve(do, 3)
     (l1, l2), (d1, d2) = _halve(lse, lse.ndim - 1), _halve(delta, delta.ndim - 1)
-    dq1, dk1, dv1 = attend_diagonal_backward(q1, k1, v1, do1, l1, d1, scale=scale, chunk=chunk)
+    dq1, dk1, dv1 = attend_diagonal_backward(q1, k1, v1, do1, l1, d1, scale=scale, chunk=chunk, depth=depth - 1)
     dq2, dk1b, dv1b = attend_backward_chunked(q2, k1, v1, do2, l2, d2, scale=scale, chunk=chunk)
-    dq2b, dk2, dv2 = attend_diagonal_backward(q2, k2, v2, do2, l2, d2, scale=scale, chunk=chunk)
+    dq2b, dk2, dv2 = attend_diagonal_backward(q2, k2, v2, do2, l2, d2, scale=scale, chunk=chunk, depth=depth - 1)
     return (jnp.concatenate([dq1, dq2 + dq2b], axis=3), jnp.concatenate([dk1 + dk1b, dk2], axis=2),
             jnp.concatenate([dv1 + dv1b, dv2], axis=2))

@@ -125,8 +125,10 @@ def test_chunked_and_halved_diagonal_blocks_equal_the_masked_block(t, chunk):
         assert_close(got, (want_o, want_lse))
         assert_close(blockwise.attend_backward_chunked(q, k, v, do, want_lse, delta, scale=0.5, causal=causal,
                                                        chunk=chunk), want_grads)
-    assert_close(blockwise.attend_diagonal(q, k, v, scale=0.5, chunk=chunk), (want_o, want_lse))
-    assert_close(blockwise.attend_diagonal_backward(q, k, v, do, want_lse, delta, scale=0.5, chunk=chunk), want_grads)
+    for depth in (0, 1, 3):
+        assert_close(blockwise.attend_diagonal(q, k, v, scale=0.5, chunk=chunk, depth=depth), (want_o, want_lse))
+        assert_close(blockwise.attend_diagonal_backward(q, k, v, do, want_lse, delta, scale=0.5, chunk=chunk,
+                                                        depth=depth), want_grads)
 
 
 def test_chunk_size_divides_or_keeps_the_block_whole():

@@ -27,7 +27,6 @@ from its file. Without it the peer row says so.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import pathlib
 import statistics

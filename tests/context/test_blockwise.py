@@ -117,18 +117,31 @@ def test_chunked_and_halved_diagonal_blocks_equal_the_masked_block(t, chunk):
     q, do = _grouped(rng, 2, t, 2, 2, 4), _grouped(rng, 2, t, 2, 2, 4)
     k, v = (_kv(rng, 2, t, 2, 4) for _ in range(2))
     mask = blockwise.causal_mask(t, t)
-    for causal in (False, True):
-        want_o, want_lse = blockwise.attend(q, k, v, scale=0.5, mask=mask if causal else None)
-        delta = jnp.sum(do * want_o, -1)
-        want_grads = blockwise.attend_backward(q, k, v, do, want_lse, delta, scale=0.5, mask=mask if causal else None)
-        got = blockwise.attend_chunked(q, k, v, scale=0.5, causal=causal, chunk=chunk)
-        assert_close(got, (want_o, want_lse))
-        assert_close(blockwise.attend_backward_chunked(q, k, v, do, want_lse, delta, scale=0.5, causal=causal,
-                                                       chunk=chunk), want_grads)
-    for depth in (0, 1, 3):
-        assert_close(blockwise.attend_diagonal(q, k, v, scale=0.5, chunk=chunk, depth=depth), (want_o, want_lse))
-        assert_close(blockwise.attend_diagonal_backward(q, k, v, do, want_lse, delta, scale=0.5, chunk=chunk,
-                                                        depth=depth), want_grads)
+
+    @jax.jit   # one compile per case instead of one per primitive
+    def everything(q, k, v, do):
+        out = {}
+        for causal in (False, True):
+            o, lse = blockwise.attend(q, k, v, scale=0.5, mask=mask if causal else None)
+            delta = jnp.sum(do * o, -1)
+            out[causal] = {
+                "want": ((o, lse), blockwise.attend_backward(q, k, v, do, lse, delta, scale=0.5,
+                                                             mask=mask if causal else None)),
+                "chunked": (blockwise.attend_chunked(q, k, v, scale=0.5, causal=causal, chunk=chunk),
+                            blockwise.attend_backward_chunked(q, k, v, do, lse, delta, scale=0.5, causal=causal,
+                                                              chunk=chunk))}
+            if causal:
+                for depth in (0, 1, 3):
+                    out[causal][f"halved {depth}"] = (
+                        blockwise.attend_diagonal(q, k, v, scale=0.5, chunk=chunk, depth=depth),
+                        blockwise.attend_diagonal_backward(q, k, v, do, lse, delta, scale=0.5, chunk=chunk,
+                                                           depth=depth))
+        return out
+
+    for results in everything(q, k, v, do).values():
+        want = results.pop("want")
+        for name, got in results.items():
+            assert_close(got, want)
 
 
 def test_chunk_size_divides_or_keeps_the_block_whole():

@@ -50,6 +50,7 @@ def test_the_scan_finds_a_late_import(tmp_path):
 
 @pytest.mark.parametrize("module", ["jaxpar.pipeline.schedule", "jaxpar.pipeline.formulas", "jaxpar.pipeline.plan",
                                     "jaxpar.tensor.formulas", "jaxpar.context.formulas", "jaxpar.context.zigzag",
+                                    "jaxpar.expert.formulas",
                                     "jaxpar.comms", "jaxpar.errors", "jaxpar.cli.main"])
 def test_pure_python_parts_start_without_jax(module):
     code = (f"import sys, {module}; "

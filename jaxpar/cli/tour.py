@@ -30,6 +30,7 @@ CHECKS: dict[str, str] = {
     "sp": "jaxpar.tensor.verify:check_sp",
     "cp": "jaxpar.context.verify:check_cp",
     "ulysses": "jaxpar.context.verify:check_ulysses",
+    "ep": "jaxpar.expert.verify:check_ep",
 }
 
 

@@ -1,0 +1,237 @@
+"""Expert parallelism (lecture 6): route, all-to-all to the experts' owners, compute, all-to-all back.
+
+    ep_moe_shard(p, x, *, axis, top_k, capacity_factor, ...)   per-shard, inside shard_map
+    ep_moe(params, x, *, mesh, cfg, capacity_factor, ...)      global arrays -> (y, MoEStats)
+
+On each device of the `ep` axis (E/ep experts each):
+  1. route: the replicated router picks each token's top-k experts and gates (router.py);
+  2. pack: each (token, slot) gets a position in its expert's buffer, [E, C, D] in all,
+     C slots per expert: first choices of every token before second choices, in token
+     order (drop="position", GShard/Switch), or highest gate first (drop="probability").
+     Past C the assignment is dropped; the token keeps its other experts (and the
+     residual, outside this layer). capacity_factor=None is dropless: C = t, the most one
+     device can send one expert, since a token picks an expert at most once;
+  3. all-to-all the [ep, E/ep, C, D] buffer: each device receives every device's slots
+     for its own experts;
+  4. run each local expert on its ep*C slots: one matmul per expert (an einsum batched
+     over the local experts);
+  5. all-to-all the results back, gather each assignment's row and mix by the gates.
+Two all-to-alls forward, two backward (their transposes), each of E*C*D elements: their
+bytes follow tokens x k x D (times the capacity padding), not the experts' width.
+
+Packing and combining are a scatter and a gather of D-wide rows, O(t*k*D), where the
+one-hot GShard einsums cost O(t*E*C*D) and hold [t, E, C] tensors.
+The statistics are per device (`MoEStats`), not reduced: reducing them would add
+collectives to the program; they are summed on the host.
+XLA:CPU has no ragged_all_to_all (jax 0.10.2), so the dropless path uses the fixed
+worst-case buffers here and on every backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import errors
+from jaxpar import mesh as mesh_lib
+from jaxpar.expert.formulas import capacity
+from jaxpar.expert.router import check_router, check_top_k, expert_load, route
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import DP, EP
+
+DROPS = ("position", "probability")
+EXPERT_WEIGHTS = ("w_up", "w_gate", "w_down")
+
+
+def positions(experts, weights, n_experts: int, drop: str):
+    """(position of each assignment in its expert's buffer [t, k], in priority order)."""
+    t, k = experts.shape
+    if drop == "position":      # slot-major: every token's first choice before any second choice
+        order = jnp.arange(t * k).reshape(k, t).T.reshape(-1)          # rank of (token, slot)
+        rank = jnp.argsort(order)
+    else:                       # highest gate first
+        rank = jnp.argsort(-jax.lax.stop_gradient(weights).reshape(-1), stable=True)
+    flat = experts.reshape(-1)[rank]                                   # experts in priority order
+    one_hot = jax.nn.one_hot(flat, n_experts, dtype=jnp.int32)
+    pos_sorted = (jnp.sum(jnp.cumsum(one_hot, axis=0) * one_hot, axis=-1) - 1).astype(jnp.int32)
+    return jnp.zeros((t * k,), jnp.int32).at[rank].set(pos_sorted).reshape(t, k)
+
+
+def _experts(p: dict, h, kind: str):
+    """Each local expert on its rows: h [S, E_local, C, D] -> [S, E_local, C, D]."""
+    up = jnp.einsum("secd,edf->secf", h, p["w_up"])
+    if kind == "swiglu":
+        up = jax.nn.silu(jnp.einsum("secd,edf->secf", h, p["w_gate"])) * up
+    else:
+        up = jax.nn.gelu(up, approximate=False)
+    return jnp.einsum("secf,efd->secd", up, p["w_down"])
+
+
+def ep_moe_shard(p: dict, x, *, axis=EP, top_k: int, capacity_factor=None, drop: str = "position",
+                 kind: str = "gelu", router_kind: str = "softmax", renormalize: bool = True, bias=None):
+    """The MoE layer on this device's tokens x [t, D], inside shard_map over `axis`.
+
+    p: "router" [D, E] (replicated), "w_up" [E/ep, D, F], "w_down" [E/ep, F, D] (and
+    "w_gate" for SwiGLU): this device's experts, expert e on device e // (E/ep).
+    Returns (y [t, D], kept [E], dropped [E]): assignments of this device's tokens each
+    expert took and dropped. axis=None is one device, nothing sent."""
+    errors.one_of("drop", drop, DROPS)
+    errors.one_of("kind", kind, ("gelu", "swiglu"))
+    t, D = errors.array("x", x, ndim=2, kinds="f", shape_doc="x[tokens, d_model]")
+    E = check_router(p["router"], D)
+    check_top_k(top_k, E)
+    ep = 1 if axis is None else jax.lax.axis_size(axis)
+    if E % ep:
+        raise ConfigError(f"n_experts={E} is not divisible by ep={ep}: each device owns E/ep whole experts. "
+                          f"Fix: ep in ({errors.divisors(E)}) or n_experts a multiple of {ep}")
+    local = E // ep
+    for name in ("w_up", "w_down") + (("w_gate",) if kind == "swiglu" else ()):
+        if name not in p or p[name].shape[0] != local:
+            got = "missing" if name not in p else f"shape {tuple(p[name].shape)}"
+            raise ConfigError(f"expert weight {name} is {got}: each of the ep={ep} devices holds "
+                              f"E/ep={local} experts, so it needs leading size {local}")
+    r = route(p["router"], x, top_k=top_k, kind=router_kind, renormalize=renormalize, bias=bias)
+    C = capacity(t, top_k, E, capacity_factor)
+    buf, slot, keep = pack(x, r.experts, r.weights, n_experts=E, capacity=C, drop=drop)
+    out = exchange(_experts(p, exchange(buf.reshape(ep, local, C, D), axis), kind), axis)
+    y = unpack(out.reshape(E * C, D), slot, keep, r.weights)
+    load = expert_load(r.experts, E)
+    kept = jnp.zeros((E,), jnp.int32).at[r.experts.reshape(-1)].add(keep.reshape(-1).astype(jnp.int32))
+    return y, kept, load - kept
+
+
+def pack(x, experts, weights, *, n_experts: int, capacity: int, drop: str):
+    """(buffer [E, C, D], slot [t, k], keep [t, k]): each kept assignment's row of x at
+    slot = expert*C + position; empty slots are zero rows. The buffer is a gather of x
+    (which token fills each slot), whose transpose is a scatter-add into dx: no
+    buffer-sized zeros are summed over devices in the backward."""
+    t, D = x.shape
+    k = experts.shape[1]
+    E, C = n_experts, capacity
+    pos = positions(experts, weights, E, drop)
+    keep = pos < C
+    slot = jnp.where(keep, experts * C + pos, E * C)                 # E*C: out of range, dropped
+    token = jnp.full((E * C,), t, jnp.int32).at[slot.reshape(-1)].set(
+        jnp.repeat(jnp.arange(t, dtype=jnp.int32), k), mode="drop", unique_indices=True)
+    return jnp.take(x, token, axis=0, mode="fill", fill_value=0).reshape(E, C, D), slot, keep
+
+
+def exchange(buf, axis):
+    """The all-to-all of a [ep, E/ep, C, D] buffer over `axis`: block r goes to device r,
+    and device r's block i arrives as block i (its own experts' slots from every device).
+    The same call takes the results back. A no-op on one device."""
+    if axis is None or jax.lax.axis_size(axis) == 1:
+        return buf
+    return jax.lax.all_to_all(buf, axis, split_axis=0, concat_axis=0, tiled=True)
+
+
+def unpack(out, slot, keep, weights):
+    """y [t, D] = sum over each token's kept assignments of gate * its expert's row."""
+    got = jnp.take(out, slot, axis=0, mode="fill", fill_value=0)     # [t, k, D]; dropped slots read 0
+    return jnp.einsum("tk,tkd->td", (weights * keep).astype(out.dtype), got)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["kept", "dropped"], meta_fields=["ep", "capacity"])
+@dataclasses.dataclass(frozen=True)
+class MoEStats:
+    """Per-device counts of one MoE layer: kept[g, e] and dropped[g, e], the assignments
+    (token, slot) of device g's tokens that expert e took and dropped (a pytree: it
+    passes through jit). The summaries below are computed on the host (numpy), from
+    concrete counts."""
+
+    kept: jax.Array
+    dropped: jax.Array
+    ep: int
+    capacity: int
+
+    @property
+    def tokens_per_expert(self) -> np.ndarray:
+        return np.asarray(self.kept).sum(axis=0)
+
+    @property
+    def dropped_per_expert(self) -> np.ndarray:
+        return np.asarray(self.dropped).sum(axis=0)
+
+    @property
+    def drop_rate(self) -> float:
+        kept, dropped = self.tokens_per_expert.sum(), self.dropped_per_expert.sum()
+        return float(dropped / (kept + dropped)) if kept + dropped else 0.0
+
+    @property
+    def tokens_per_rank(self) -> np.ndarray:
+        """Token-slots each ep rank's experts process (summed over the dp groups)."""
+        return self.tokens_per_expert.reshape(self.ep, -1).sum(axis=1)
+
+    @property
+    def imbalance(self) -> float:
+        """Busiest ep rank's token-slots over the mean: how long the slowest rank works
+        relative to the average (every layer waits for it)."""
+        per = self.tokens_per_rank
+        return float(per.max() / per.mean()) if per.mean() else 1.0
+
+    def to_json(self) -> dict:
+        return {"tokens_per_expert": self.tokens_per_expert.tolist(),
+                "dropped_per_expert": self.dropped_per_expert.tolist(),
+                "tokens_per_rank": self.tokens_per_rank.tolist(), "drop_rate": self.drop_rate,
+                "imbalance": self.imbalance, "capacity": self.capacity}
+
+
+def manual_axes(mesh) -> tuple[str, ...]:
+    """The axes ep_moe splits over: ep, and dp when it has more than one device (a
+    size-1 dp left out of shard_map's manual axes sums nothing over it)."""
+    return tuple(a for a in (DP, EP) if a == EP or mesh_lib.axis_size(mesh, a) > 1)
+
+
+def specs(mesh, params: dict) -> tuple[dict, P]:
+    """(PartitionSpecs of params, of the tokens): router replicated, expert weights split
+    over ep; tokens (the batch) over (dp, ep)."""
+    param_specs = {name: P(EP) if name in EXPERT_WEIGHTS else P() for name in params}
+    return param_specs, P(manual_axes(mesh))
+
+
+def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "position",
+           router_kind: str = "softmax", bias=None):
+    """The MoE layer on global arrays: x [B, T, D] -> (y [B, T, D], MoEStats). Tokens are
+    split over (dp, ep), expert weights over ep (EP shares the data-parallel devices).
+    Dropless (capacity_factor=None) it equals reference.moe(params, x, top_k=cfg.top_k)."""
+    mesh_lib.require_mesh(mesh, axes=(EP,), needed_by="ep_moe")
+    B, T, D = errors.array("x", x, ndim=3, kinds="f", shape_doc="x[batch, seq, d_model]")
+    if D != cfg.d_model:
+        raise ConfigError(f"x has d_model {D}, cfg.d_model={cfg.d_model}: give x [B, T, {cfg.d_model}]")
+    if not cfg.n_experts:
+        raise ConfigError("cfg.n_experts=0 is a dense MLP: ep_moe needs an MoE config, e.g. n_experts=8")
+    errors.mapping("params", params, "reference.layer_params(params, 0)")
+    names = ("router", "w_up", "w_down") + (("w_gate",) if cfg.mlp == "swiglu" else ())
+    for name in names:
+        if name not in params:
+            raise ConfigError(f"params has no {name!r}: give the MoE layer's params (router [D, E], w_up [E, D, F],"
+                              " w_down [E, F, D], and w_gate for SwiGLU), e.g. reference.layer_params(params, 0)")
+    check_router(params["router"], D, cfg.n_experts)
+    check_top_k(cfg.top_k, cfg.n_experts)
+    ep = mesh_lib.axis_size(mesh, EP)
+    mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, (EP,), why="each ep device owns E/ep whole experts")
+    mesh_lib.require_divisible("batch_size", B, mesh, (DP, EP), why="the batch is split over the dp x ep devices")
+    errors.one_of("drop", drop, DROPS)
+    if capacity_factor is not None:
+        errors.number("capacity_factor", capacity_factor,
+                      fix="capacity_factor is slots per expert over the mean load, e.g. 1.25; None is dropless")
+    p = {name: params[name] for name in names}
+    p_specs, x_spec = specs(mesh, p)
+    groups = B // mesh_lib.axis_size(mesh, DP) // ep * T        # tokens per device
+    shard = functools.partial(ep_moe_shard, axis=EP, top_k=cfg.top_k, capacity_factor=capacity_factor, drop=drop,
+                              kind=cfg.mlp, router_kind=router_kind, renormalize=cfg.moe_renormalize)
+
+    def run(p, x, bias):
+        b = x.shape[0]
+        y, kept, dropped = shard(p, x.reshape(b * T, D), bias=bias)
+        return y.reshape(b, T, D), kept[None], dropped[None]
+
+    bias_spec = None if bias is None else P()
+    y, kept, dropped = jax.shard_map(run, mesh=mesh, in_specs=(p_specs, x_spec, bias_spec),
+                                     out_specs=(x_spec, x_spec, x_spec), axis_names=set(manual_axes(mesh)))(p, x, bias)
+    return y, MoEStats(kept, dropped, ep, capacity(groups, cfg.top_k, cfg.n_experts, capacity_factor))

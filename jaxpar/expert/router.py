@@ -1,0 +1,104 @@
+"""Routers (lecture 6, and lecture 4's MoE): which k experts each token goes to, with what weight.
+
+    softmax   p = softmax(x W); the top-k of p; weights renormalised to sum to 1 (Mixtral)
+              or the raw probabilities (Switch/GShard); `reference.router_weights`' rule
+    sigmoid   DeepSeek-V3: s = sigmoid(x W); the top-k of s + b are chosen, where b is a
+              per-expert bias used only for the choice, never in the weights; the
+              weights are the chosen s, normalised. After each step b moves by
+              `rate` toward the experts that got too few tokens (`update_bias`): load
+              balancing with no auxiliary loss.
+
+`load_balancing_loss` is the Switch/GShard auxiliary loss, E * sum_e f_e P_e, with f_e the
+fraction of the token-slots sent to expert e and P_e the mean router probability of e:
+1 when perfectly balanced, E when every token goes to one expert.
+
+The router is replicated: every device routes its own tokens, and its gradient is summed
+over the devices that share it (shard_map's transpose of a replicated input).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar import errors
+from jaxpar.errors import ConfigError
+
+KINDS = ("softmax", "sigmoid")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """The route of each token: `experts` [t, k] int32 (distinct per token, highest score
+    first), `weights` [t, k] the gates, `probs` [t, E] the router's scores (softmax
+    probabilities, or sigmoid scores) for the auxiliary loss and the statistics."""
+
+    experts: jax.Array
+    weights: jax.Array
+    probs: jax.Array
+
+
+def check_router(router, d_model: int, n_experts: int | None = None) -> int:
+    """Refuse a router that is not a [d_model, E] float array; return E."""
+    shape = errors.array("router", router, ndim=2, kinds="f", shape_doc="router[d_model, n_experts]")
+    if shape[0] != d_model or (n_experts is not None and shape[1] != n_experts):
+        want = f"[{d_model}, {n_experts if n_experts is not None else 'E'}]"
+        raise ConfigError(f"router has shape {shape}; expected {want}: one column of scores per expert over "
+                          "the model width. Fix: reference.init_params draws it, or build it with that shape")
+    return shape[1]
+
+
+def check_top_k(top_k, n_experts: int) -> int:
+    errors.whole("top_k", top_k, fix="top_k is the number of experts per token, e.g. top_k=2")
+    if top_k > n_experts:
+        raise ConfigError(f"top_k={top_k} is more than n_experts={n_experts}: each token picks top_k distinct "
+                          f"experts. Fix: top_k in 1..{n_experts}")
+    return top_k
+
+
+def route(router, x, *, top_k: int, kind: str = "softmax", renormalize: bool = True, bias=None) -> Routing:
+    """Route tokens x [t, D] with router [D, E]. `bias` [E] (sigmoid only) shifts the
+    choice, not the weights."""
+    errors.one_of("kind", kind, KINDS)
+    E = check_router(router, x.shape[-1])
+    check_top_k(top_k, E)
+    logits = jnp.einsum("td,de->te", x, router.astype(x.dtype))
+    if kind == "softmax":
+        if bias is not None:
+            raise ConfigError("bias= is DeepSeek-V3's selection bias: it goes with kind='sigmoid'")
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, experts = jax.lax.top_k(probs, top_k)
+        if renormalize:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return Routing(experts.astype(jnp.int32), weights, probs)
+    scores = jax.nn.sigmoid(logits)
+    choice = scores if bias is None else scores + jax.lax.stop_gradient(bias).astype(scores.dtype)
+    _, experts = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return Routing(experts.astype(jnp.int32), weights, scores)
+
+
+def expert_load(experts, n_experts: int):
+    """Token-slots per expert [E] (int32) for experts [t, k]."""
+    return jnp.zeros((n_experts,), jnp.int32).at[experts.reshape(-1)].add(1)
+
+
+def update_bias(bias, load, *, rate: float = 1e-3):
+    """DeepSeek-V3's auxiliary-loss-free balancing: b_e += rate * sign(mean load - load_e).
+    Overloaded experts become less likely to be chosen, underloaded ones more."""
+    errors.number("rate", rate, fix="rate is the bias step, e.g. rate=1e-3")
+    load = load.astype(bias.dtype)
+    return bias + rate * jnp.sign(jnp.mean(load) - load)
+
+
+def load_balancing_loss(routing: Routing):
+    """Switch/GShard auxiliary loss E * sum_e f_e P_e (1 when balanced)."""
+    t, k = routing.experts.shape
+    E = routing.probs.shape[-1]
+    f = expert_load(routing.experts, E).astype(routing.probs.dtype) / (t * k)
+    P = jnp.mean(routing.probs, axis=0)
+    return E * jnp.sum(f * P)

@@ -1,0 +1,213 @@
+"""Expert parallelism proven against the reference, for `jaxpar verify ep`, the tour, example
+06, the benchmark and the tests: ep_moe's output and, from jax.vjp, the input, router and
+every expert's gradient against reference.moe (dropless) or against `reference_capacity_moe`
+(the same drop rule written densely); the collectives of the forward and backward against
+`formulas.ep_moe_collectives`; the lecture's imbalance experiment and exercise 9(c)'s sweep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar import mesh as mesh_lib
+from jaxpar import reference
+from jaxpar.comms import Collectives
+from jaxpar.expert import formulas
+from jaxpar.expert.dispatch import MoEStats, ep_moe
+from jaxpar.mesh import DP, EP
+from jaxpar.testing import Result, compare, fwd_bwd
+
+
+def moe_inputs(cfg: reference.ModelConfig, batch_size: int, seq_len: int, *, skew: float = 0.0,
+               dtype=jnp.float32, seed: int = 0):
+    """(params, x, dy) of one MoE layer: weights ~ N(0, 1/fan_in) as init_params draws them;
+    x ~ N(0, 1) + u for a unit vector u, and the router + skew * u v^T with v falling
+    from 1 to -1 over the experts, so skew > 0 sends more tokens to the first experts.
+    Drawn with numpy: no RNG kernel to compile for each shape."""
+    rng = np.random.default_rng(seed)
+    E, D, F = cfg.n_experts, cfg.d_model, cfg.d_ff
+    u = rng.standard_normal(D)
+    u /= np.linalg.norm(u)
+    v = np.linspace(1.0, -1.0, E)
+    p = {"router": rng.standard_normal((D, E)) / np.sqrt(D) + skew * np.outer(u, v),
+         "w_up": rng.standard_normal((E, D, F)) / np.sqrt(D), "w_down": rng.standard_normal((E, F, D)) / np.sqrt(F)}
+    if cfg.mlp == "swiglu":
+        p["w_gate"] = rng.standard_normal((E, D, F)) / np.sqrt(D)
+    x = rng.standard_normal((batch_size, seq_len, D)) + u
+    dy = rng.standard_normal((batch_size, seq_len, D)) / (batch_size * seq_len)
+    cast = lambda a: jnp.asarray(a, dtype)
+    return {k: cast(a) for k, a in p.items()}, cast(x), cast(dy)
+
+
+def _keep(experts, weights, C: int, drop: str):
+    """[t, k] bool: assignment a is kept when fewer than C assignments to its expert come
+    before it. Written densely, O((t k)^2), from the definition: "before" is (slot, token)
+    order for drop="position" and a higher gate (ties: token-major order) for
+    drop="probability"."""
+    t, k = experts.shape
+    e = experts.reshape(-1)
+    token, slot = jnp.repeat(jnp.arange(t), k), jnp.tile(jnp.arange(k), t)
+    if drop == "position":
+        before = (slot[:, None] < slot[None, :]) | ((slot[:, None] == slot[None, :]) & (token[:, None] < token[None, :]))
+    else:
+        w = jax.lax.stop_gradient(weights).reshape(-1)
+        idx = jnp.arange(t * k)
+        before = (w[:, None] > w[None, :]) | ((w[:, None] == w[None, :]) & (idx[:, None] < idx[None, :]))
+    ahead = jnp.sum(before & (e[:, None] == e[None, :]), axis=0)      # for each a: the b before it
+    return (ahead < C).reshape(t, k)
+
+
+def reference_capacity_moe(p: dict, x, *, top_k: int, groups: int, capacity: int, drop: str,
+                           kind: str = "gelu", renormalize: bool = True):
+    """reference.moe with ep_moe's drop rule: the tokens x [B, T, D] are cut into `groups`
+    (one per device, in device order) and, in each group, expert e takes at most
+    `capacity` of its assignments. Every expert still runs on every token (dense)."""
+    B, T, D = x.shape
+    xs = x.reshape(groups, B * T // groups, D)
+
+    def one(xg):
+        probs = jax.nn.softmax(xg @ p["router"], axis=-1)
+        vals, idx = jax.lax.top_k(probs, top_k)
+        if renormalize:
+            vals = vals / jnp.sum(vals, axis=-1, keepdims=True)
+        keep = _keep(idx, vals, capacity, drop)
+        gates = jnp.einsum("tk,tke->te", vals * keep, jax.nn.one_hot(idx, p["router"].shape[-1], dtype=vals.dtype))
+        out = jnp.zeros_like(xg)
+        for e in range(p["router"].shape[-1]):
+            expert = {name: p[name][e] for name in ("w_up", "w_gate", "w_down") if name in p}
+            out = out + gates[:, e:e + 1] * reference.mlp(expert, xg, kind=kind)
+        return out
+    return jnp.stack([one(xg) for xg in xs]).reshape(B, T, D)
+
+
+@dataclasses.dataclass
+class MoERun:
+    """One step of ep_moe and of its reference on the same inputs."""
+
+    out: tuple                 # (y, (param grads, x grad))
+    ref: tuple
+    stats: MoEStats
+    forward: Collectives
+    backward: Collectives
+    formula_forward: Collectives
+    formula_backward: Collectives
+
+    @functools.cached_property
+    def compared(self) -> tuple[dict, tuple, bool]:
+        named = lambda o: {"y": o[0], "dx": o[1][1], "d router": o[1][0]["router"],
+                           "d experts": {k: v for k, v in o[1][0].items() if k != "router"}}
+        return compare(named(self.out), named(self.ref))
+
+    @property
+    def max_error(self) -> float:
+        return max(self.compared[0].values())
+
+    @property
+    def collectives_match(self) -> bool:
+        return self.forward == self.formula_forward and self.backward == self.formula_backward
+
+
+def run_moe(cfg: reference.ModelConfig, mesh, *, batch_size: int, seq_len: int = 8, capacity_factor=None,
+            drop: str = "position", skew: float = 0.0, dtype=jnp.float32, seed: int = 0) -> MoERun:
+    p, x, dy = moe_inputs(cfg, batch_size, seq_len, skew=skew, dtype=dtype, seed=seed)
+    step = lambda p, x: ep_moe(p, x, mesh=mesh, cfg=cfg, capacity_factor=capacity_factor, drop=drop)
+    out, (fwd, bwd) = fwd_bwd(lambda p, x: step(p, x)[0], p, x, ct=dy)
+    stats = jax.jit(step)(p, x)[1]
+    dp, ep = mesh_lib.axis_size(mesh, DP), mesh_lib.axis_size(mesh, EP)
+    if capacity_factor is None:
+        ref_fn = lambda p, x: reference.moe(p, x, top_k=cfg.top_k, kind=cfg.mlp, renormalize=cfg.moe_renormalize)
+    else:
+        ref_fn = functools.partial(reference_capacity_moe, top_k=cfg.top_k, groups=dp * ep, capacity=stats.capacity,
+                                   drop=drop, kind=cfg.mlp, renormalize=cfg.moe_renormalize)
+    ref = _reference_step(ref_fn)(p, x, dy)
+    kw = dict(cfg=cfg, batch_size=batch_size, seq_len=seq_len, dtype=dtype, dp=dp, ep=ep,
+              capacity_factor=capacity_factor)
+    return MoERun(out=out, ref=ref, stats=stats, forward=fwd, backward=bwd,
+                  formula_forward=formulas.ep_moe_collectives(**kw),
+                  formula_backward=formulas.ep_moe_collectives(**kw, backward=True))
+
+
+def _reference_step(fn):
+    def step(p, x, dy):
+        y, vjp = jax.vjp(fn, p, x)
+        return y, vjp(dy)
+    return jax.jit(step)
+
+
+def default_mesh() -> tuple[jax.sharding.Mesh, str]:
+    """(dp x ep mesh, note): ep 4 or 2 (whichever leaves fewer devices out, 4 on a tie),
+    dp filling the rest; one device: ep=1."""
+    n = len(jax.devices())
+    ep = max((4, 2), key=lambda e: (n // e * e, e)) if n > 1 else 1
+    dp = n // ep
+    m = mesh_lib.make_mesh(dp=dp, ep=ep, devices=jax.devices()[:dp * ep])
+    note = ("1 device: nothing is split" if n == 1 else
+            f"{n - dp * ep} of {n} devices unused" if dp * ep < n else "")
+    return m, note
+
+
+def _joined(*notes: str) -> str:
+    return "; ".join(n for n in notes if n)
+
+
+CFG = reference.ModelConfig(n_layers=1, d_model=16, d_ff=32, n_experts=8, top_k=2)
+
+
+def check_moe(capacity_factor=None, drop: str = "position") -> Result:
+    start = time.perf_counter()
+    m, mesh_note = default_mesh()
+    B = 2 * mesh_lib.axis_size(m, DP) * mesh_lib.axis_size(m, EP)
+    run = run_moe(CFG, m, batch_size=B, capacity_factor=capacity_factor, drop=drop, skew=1.0)
+    errors, rule, within = run.compared
+    dropless = capacity_factor is None
+    name = "MoE, dropless" if dropless else f"MoE, capacity {capacity_factor} (drop by {drop})"
+    ok = within and run.collectives_match and (not dropless or run.stats.drop_rate == 0.0)
+    return Result(name=name, mesh=mesh_lib.describe(m), errors=errors, tolerance=rule,
+                  measured={"fwd": run.forward, "bwd": run.backward},
+                  expected={"fwd": run.formula_forward, "bwd": run.formula_backward},
+                  passed=ok, seconds=time.perf_counter() - start,
+                  note=_joined(f"E=8 top-2, {B * 8} tokens, vs reference.moe"
+                               + ("" if dropless else " with the same drops")
+                               + f"; dropped {run.stats.drop_rate:.1%}", mesh_note))
+
+
+def imbalance_experiment(*, skew: float = 2.0, seed: int = 0, capacity_factors=(None, 2.0, 1.5, 1.25, 1.0, 0.5)):
+    """The lecture's experiment: 4 ep ranks, 8 experts (2 each), top-2, a skewed router,
+    on one device's worth of routing math per rank: per-rank token-slots, busiest/mean,
+    and exercise 9(c)'s drop rate for each capacity factor. Needs 4 devices."""
+    m = mesh_lib.make_mesh(ep=4, devices=jax.devices()[:4])
+    cfg = reference.ModelConfig(n_layers=1, d_model=32, d_ff=64, n_experts=8, top_k=2)
+    p, x, _ = moe_inputs(cfg, 16, 64, skew=skew, seed=seed)
+    rows = []
+    for cf in capacity_factors:
+        _, stats = jax.jit(lambda p, x, cf=cf: ep_moe(p, x, mesh=m, cfg=cfg, capacity_factor=cf))(p, x)
+        rows.append({"capacity_factor": cf, "capacity": stats.capacity, "tokens_per_rank": stats.tokens_per_rank.tolist(),
+                     "imbalance": stats.imbalance, "drop_rate": stats.drop_rate,
+                     "dropped_per_expert": stats.dropped_per_expert.tolist()})
+    return rows
+
+
+def check_imbalance() -> Result:
+    start = time.perf_counter()
+    if len(jax.devices()) < 4:
+        return Result(name="MoE load imbalance (lecture 6.3)", passed=True, note="needs 4 devices: skipped")
+    rows = imbalance_experiment()
+    dropless, tight = rows[0], rows[-2]
+    ok = dropless["drop_rate"] == 0.0 and dropless["imbalance"] > 1.2 and tight["drop_rate"] > 0
+    return Result(name="MoE load imbalance (lecture 6.3)", mesh="ep=4", errors={"dropless drop rate": 0.0},
+                  passed=ok, seconds=time.perf_counter() - start,
+                  note=f"skewed router: token-slots per rank {dropless['tokens_per_rank']}, busiest/mean "
+                       f"{dropless['imbalance']:.2f}; capacity 1.0 drops {tight['drop_rate']:.1%}")
+
+
+def check_ep() -> list[Result]:
+    """`jaxpar verify ep`: dropless, capacity with both drop rules, the imbalance experiment."""
+    return [check_moe(), check_moe(1.25, "position"), check_moe(1.0, "probability"), check_imbalance()]
+
+

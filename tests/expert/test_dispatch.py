@@ -1,0 +1,137 @@
+"""ep_moe against reference.moe (dropless) and against the same drop rule written densely
+(capacity): output, input gradient, router gradient and every expert's gradient, for ep in
+{1, 2, 4, 8} with dp filling the devices; the collectives of both programs against the
+formula, bytes independent of the experts' width; dispatch and combine exact on rank-coded
+tokens; float64; exercise 7; the lecture's experiment."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import mesh as mesh_lib
+from jaxpar import reference
+from jaxpar.expert import dispatch, formulas
+from jaxpar.expert.verify import imbalance_experiment, run_moe
+from jaxpar.testing import assert_close, max_abs_diff
+
+
+def cfg_for(E=8, k=2, mlp="gelu", F=32):
+    return reference.ModelConfig(n_layers=1, d_model=16, d_ff=F, n_experts=E, top_k=k, mlp=mlp)
+
+
+# (dp, ep, E, k, mlp, capacity_factor, drop)
+CASES = [
+    (8, 1, 8, 2, "gelu", None, "position"),
+    (4, 2, 8, 2, "swiglu", None, "position"),
+    (2, 4, 8, 1, "gelu", None, "position"),
+    (1, 8, 8, 8, "gelu", None, "position"),
+    (1, 8, 16, 2, "swiglu", None, "position"),
+    (2, 4, 8, 2, "gelu", 1.25, "position"),
+    (2, 4, 8, 2, "gelu", 1.0, "probability"),
+    (1, 8, 8, 2, "swiglu", 0.5, "position"),
+    (4, 2, 4, 2, "gelu", 1.5, "probability"),
+]
+
+
+@functools.cache
+def _run(dp, ep, E, k, mlp, cf, drop):
+    return run_moe(cfg_for(E, k, mlp), mesh_lib.make_mesh(dp=dp, ep=ep), batch_size=2 * dp * ep, seq_len=8,
+                   capacity_factor=cf, drop=drop, skew=1.5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_ep_moe_matches_reference_and_formula(case):
+    run = _run(*case)
+    assert_close(run.out, run.ref)
+    assert run.forward == run.formula_forward and run.backward == run.formula_backward
+    ep, cf = case[1], case[5]
+    assert run.forward.get("all-to-all", (0, 0))[0] == (2 if ep > 1 else 0)
+    assert run.backward.get("all-to-all", (0, 0))[0] == (2 if ep > 1 else 0)
+    if cf is None:
+        assert run.stats.drop_rate == 0.0 and run.stats.dropped_per_expert.sum() == 0     # dropless: nothing drops
+    else:
+        assert run.stats.drop_rate > 0          # the skewed router overflows some expert
+    total = run.stats.tokens_per_expert.sum() + run.stats.dropped_per_expert.sum()
+    assert total == 2 * case[0] * ep * 8 * case[3]              # every (token, slot) counted once
+
+
+def test_float64_agrees_near_1e_12(x64):
+    run = run_moe(cfg_for(), mesh_lib.make_mesh(dp=2, ep=4), batch_size=8, capacity_factor=1.25, dtype=jnp.float64,
+                  skew=1.5)
+    assert run.out[0].dtype == jnp.float64
+    assert max_abs_diff(run.out, run.ref) < 1e-12
+
+
+def test_all_to_all_bytes_do_not_change_when_the_ffn_width_doubles():
+    a = _run(2, 4, 8, 2, "gelu", 1.25, "position")
+    b = run_moe(cfg_for(F=64), mesh_lib.make_mesh(dp=2, ep=4), batch_size=16, capacity_factor=1.25, skew=1.5)
+    assert a.forward["all-to-all"] == b.forward["all-to-all"]
+    assert a.backward["all-to-all"] == b.backward["all-to-all"]
+    assert a.backward["all-reduce"][1] < b.backward["all-reduce"][1]   # the weight gradients do grow
+
+
+@pytest.mark.parametrize("ep", [2, 4, 8])
+def test_dispatch_and_combine_are_exact_on_rank_coded_tokens(ep):
+    """Token i of device r is the row 1000*r + i; experts chosen as (r + i) % E, k=1,
+    gate 1. Every device must receive exactly the rows routed to its experts, at the
+    positions of the drop rule, and get each of its own rows back unchanged."""
+    E, t, D, C = 2 * ep, 6, 3, 6
+    m = mesh_lib.make_mesh(ep=ep, devices=jax.devices()[:ep])
+
+    def shard(x):
+        r = jax.lax.axis_index("ep")
+        tokens = jnp.arange(t)
+        experts = ((r + tokens) % E)[:, None]
+        buf, slot, keep = dispatch.pack(x, experts, jnp.ones((t, 1)), n_experts=E, capacity=C, drop="position")
+        recv = dispatch.exchange(buf.reshape(ep, 2, C, D), "ep")
+        back = dispatch.exchange(recv, "ep")
+        return recv[None], dispatch.unpack(back.reshape(E * C, D), slot, keep, jnp.ones((t, 1)))
+
+    x = (1000 * jnp.arange(ep)[:, None] + jnp.arange(t)[None, :]).astype(jnp.float32).reshape(ep * t, 1)
+    x = jnp.broadcast_to(x, (ep * t, D))
+    recv, y = jax.jit(jax.shard_map(shard, mesh=m, in_specs=P("ep"), out_specs=(P("ep"), P("ep"))))(x)
+    np.testing.assert_array_equal(y, x)                                 # combine(dispatch(x)) == x exactly
+    recv = np.asarray(recv)                                             # [dest, src, local expert, C, D]
+    for dest in range(ep):
+        for src in range(ep):
+            for j in range(2):
+                e = 2 * dest + j
+                want = [1000 * src + i for i in range(t) if (src + i) % E == e]
+                got = recv[dest, src, j, :, 0]
+                np.testing.assert_array_equal(got[:len(want)], want)     # in token order
+                np.testing.assert_array_equal(got[len(want):], 0)         # empty slots are zero
+
+
+def test_exercise_7_dispatch_bytes():
+    ex = formulas.exercise_7()
+    assert ex["dispatch"] / 1e6 == pytest.approx(462.4, abs=0.1)        # about 462 MB
+    assert ex["forward"] / 1e9 == pytest.approx(0.92, abs=0.01)
+    assert ex["forward_backward"] / 1e9 == pytest.approx(1.85, abs=0.01)
+
+
+def test_the_lectures_imbalance_experiment():
+    rows = imbalance_experiment()
+    dropless = rows[0]
+    assert dropless["drop_rate"] == 0.0 and dropless["imbalance"] > 1.5      # the skew loads rank 0
+    rates = [r["drop_rate"] for r in rows]
+    assert rates == sorted(rates)                      # less capacity, more drops
+    assert all(sum(r["tokens_per_rank"]) + r["drop_rate"] * 16 * 64 * 2 == pytest.approx(16 * 64 * 2) for r in rows)
+
+
+def test_sigmoid_router_runs_sharded_as_on_one_device():
+    cfg = cfg_for()
+    m = mesh_lib.make_mesh(dp=2, ep=4)
+    rng = np.random.default_rng(3)
+    p = {"router": jnp.asarray(rng.standard_normal((16, 8)), jnp.float32),
+         "w_up": jnp.asarray(rng.standard_normal((8, 16, 32)) / 4, jnp.float32),
+         "w_down": jnp.asarray(rng.standard_normal((8, 32, 16)) / 6, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((8, 4, 16)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(8), jnp.float32)
+    y, stats = jax.jit(lambda p, x, b: dispatch.ep_moe(p, x, mesh=m, cfg=cfg, router_kind="sigmoid", bias=b))(p, x, bias)
+    one, _, _ = dispatch.ep_moe_shard(p, x.reshape(32, 16), axis=None, top_k=2, router_kind="sigmoid", bias=bias)
+    assert_close(y.reshape(32, 16), one)
+    assert stats.drop_rate == 0.0

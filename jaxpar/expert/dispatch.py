@@ -182,16 +182,17 @@ class MoEStats:
 
 
 def manual_axes(mesh) -> tuple[str, ...]:
-    """The axes ep_moe splits over: ep, and dp when it has more than one device (a
-    size-1 dp left out of shard_map's manual axes sums nothing over it)."""
-    return tuple(a for a in (DP, EP) if a == EP or mesh_lib.axis_size(mesh, a) > 1)
+    """The axes ep_moe splits over: dp and ep, each when it has more than one device (an
+    axis of one device left out of shard_map's manual axes is summed over by nothing)."""
+    return tuple(a for a in (DP, EP) if mesh_lib.axis_size(mesh, a) > 1)
 
 
 def specs(mesh, params: dict) -> tuple[dict, P]:
     """(PartitionSpecs of params, of the tokens): router replicated, expert weights split
     over ep; tokens (the batch) over (dp, ep)."""
-    param_specs = {name: P(EP) if name in EXPERT_WEIGHTS else P() for name in params}
-    return param_specs, P(manual_axes(mesh))
+    split = EP if EP in manual_axes(mesh) else None
+    param_specs = {name: P(split) if name in EXPERT_WEIGHTS else P() for name in params}
+    return param_specs, P(manual_axes(mesh) or None)
 
 
 def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "position",
@@ -223,7 +224,7 @@ def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "pos
     p = {name: params[name] for name in names}
     p_specs, x_spec = specs(mesh, p)
     groups = B // mesh_lib.axis_size(mesh, DP) // ep * T        # tokens per device
-    shard = functools.partial(ep_moe_shard, axis=EP, top_k=cfg.top_k, capacity_factor=capacity_factor, drop=drop,
+    shard = functools.partial(ep_moe_shard, axis=EP if ep > 1 else None, top_k=cfg.top_k, capacity_factor=capacity_factor, drop=drop,
                               kind=cfg.mlp, router_kind=router_kind, renormalize=cfg.moe_renormalize)
 
     def run(p, x, bias):
@@ -232,6 +233,8 @@ def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "pos
         return y.reshape(b, T, D), kept[None], dropped[None]
 
     bias_spec = None if bias is None else P()
-    y, kept, dropped = jax.shard_map(run, mesh=mesh, in_specs=(p_specs, x_spec, bias_spec),
-                                     out_specs=(x_spec, x_spec, x_spec), axis_names=set(manual_axes(mesh)))(p, x, bias)
+    if manual_axes(mesh):
+        run = jax.shard_map(run, mesh=mesh, in_specs=(p_specs, x_spec, bias_spec), out_specs=(x_spec, x_spec, x_spec),
+                            axis_names=set(manual_axes(mesh)))
+    y, kept, dropped = run(p, x, bias)       # one device: nothing to split, no shard_map
     return y, MoEStats(kept, dropped, ep, capacity(groups, cfg.top_k, cfg.n_experts, capacity_factor))

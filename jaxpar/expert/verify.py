@@ -21,7 +21,7 @@ from jaxpar.comms import Collectives
 from jaxpar.expert import formulas
 from jaxpar.expert.dispatch import MoEStats, ep_moe
 from jaxpar.mesh import DP, EP
-from jaxpar.testing import Result, compare, fwd_bwd
+from jaxpar.testing import Result, compare, compiled_collectives
 
 
 def moe_inputs(cfg: reference.ModelConfig, batch_size: int, seq_len: int, *, skew: float = 0.0,
@@ -70,6 +70,7 @@ def reference_capacity_moe(p: dict, x, *, top_k: int, groups: int, capacity: int
     `capacity` of its assignments. Every expert still runs on every token (dense)."""
     B, T, D = x.shape
     xs = x.reshape(groups, B * T // groups, D)
+    E = p["router"].shape[-1]
 
     def one(xg):
         probs = jax.nn.softmax(xg @ p["router"], axis=-1)
@@ -77,13 +78,13 @@ def reference_capacity_moe(p: dict, x, *, top_k: int, groups: int, capacity: int
         if renormalize:
             vals = vals / jnp.sum(vals, axis=-1, keepdims=True)
         keep = _keep(idx, vals, capacity, drop)
-        gates = jnp.einsum("tk,tke->te", vals * keep, jax.nn.one_hot(idx, p["router"].shape[-1], dtype=vals.dtype))
-        out = jnp.zeros_like(xg)
-        for e in range(p["router"].shape[-1]):
-            expert = {name: p[name][e] for name in ("w_up", "w_gate", "w_down") if name in p}
-            out = out + gates[:, e:e + 1] * reference.mlp(expert, xg, kind=kind)
-        return out
-    return jnp.stack([one(xg) for xg in xs]).reshape(B, T, D)
+        return jnp.einsum("tk,tke->te", vals * keep, jax.nn.one_hot(idx, E, dtype=vals.dtype))
+
+    gates = jax.vmap(one)(xs).reshape(B * T, E)
+    tokens = x.reshape(B * T, D)
+    every = jax.vmap(lambda e: reference.mlp({n: p[n][e] for n in ("w_up", "w_gate", "w_down") if n in p},
+                                             tokens, kind=kind))(jnp.arange(E))           # [E, BT, D]
+    return jnp.einsum("te,etd->td", gates, every).reshape(B, T, D)
 
 
 @dataclasses.dataclass
@@ -116,9 +117,12 @@ class MoERun:
 def run_moe(cfg: reference.ModelConfig, mesh, *, batch_size: int, seq_len: int = 8, capacity_factor=None,
             drop: str = "position", skew: float = 0.0, dtype=jnp.float32, seed: int = 0) -> MoERun:
     p, x, dy = moe_inputs(cfg, batch_size, seq_len, skew=skew, dtype=dtype, seed=seed)
-    step = lambda p, x: ep_moe(p, x, mesh=mesh, cfg=cfg, capacity_factor=capacity_factor, drop=drop)
-    out, (fwd, bwd) = fwd_bwd(lambda p, x: step(p, x)[0], p, x, ct=dy)
-    stats = jax.jit(step)(p, x)[1]
+    step = jax.jit(lambda p, x: ep_moe(p, x, mesh=mesh, cfg=cfg, capacity_factor=capacity_factor, drop=drop))
+    forward = step.lower(p, x).compile()          # y and the stats: the stats add no collective
+    y, stats = forward(p, x)
+    _, vjp = jax.vjp(lambda p, x: step(p, x)[0], p, x)
+    backward = jax.jit(lambda vjp, dy: vjp(dy)).lower(vjp, dy).compile()
+    out, fwd, bwd = (y, backward(vjp, dy)), compiled_collectives(forward), compiled_collectives(backward)
     dp, ep = mesh_lib.axis_size(mesh, DP), mesh_lib.axis_size(mesh, EP)
     if capacity_factor is None:
         ref_fn = lambda p, x: reference.moe(p, x, top_k=cfg.top_k, kind=cfg.mlp, renormalize=cfg.moe_renormalize)

@@ -24,6 +24,9 @@ EXPECTED = {
     "03_tensor_parallel.py": ["= formula", "lecture: 0.82", "never gathered"],
     "05_context_parallel.py": ["o 25.75", "(lecture 1.1e-15)", "= formula", "contiguous 1.60, zigzag 1.00",
                                "4 A2A", "ConfigError: seq_len=30 is not divisible by 8"],
+    "06_expert_parallel.py": ["(lecture: about 1e-7); dropped 0%", "= formula", "busiest rank works",
+                              "dispatch 462 MB (lecture about 462 MB); forward 0.92 GB", "1.85 GB (1.85 GB)",
+                              "ConfigError: n_experts=6 is not divisible by ep=4"],
     "09_multihost.py": ["all processes agree with the reference"],
 }
 

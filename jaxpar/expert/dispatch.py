@@ -39,8 +39,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import errors
 from jaxpar import mesh as mesh_lib
+from jaxpar import reference
 from jaxpar.expert.formulas import capacity
-from jaxpar.expert.router import check_router, check_top_k, expert_load, route
+from jaxpar.expert.router import KINDS, check_router, check_top_k, expert_load, route
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import DP, EP
 
@@ -201,6 +202,8 @@ def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "pos
     split over (dp, ep), expert weights over ep (EP shares the data-parallel devices).
     Dropless (capacity_factor=None) it equals reference.moe(params, x, top_k=cfg.top_k)."""
     mesh_lib.require_mesh(mesh, axes=(EP,), needed_by="ep_moe")
+    if not isinstance(cfg, reference.ModelConfig):
+        raise ConfigError(f"cfg is a {type(cfg).__name__}: give a reference.ModelConfig with n_experts and top_k")
     B, T, D = errors.array("x", x, ndim=3, kinds="f", shape_doc="x[batch, seq, d_model]")
     if D != cfg.d_model:
         raise ConfigError(f"x has d_model {D}, cfg.d_model={cfg.d_model}: give x [B, T, {cfg.d_model}]")
@@ -214,6 +217,11 @@ def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "pos
                               " w_down [E, F, D], and w_gate for SwiGLU), e.g. reference.layer_params(params, 0)")
     check_router(params["router"], D, cfg.n_experts)
     check_top_k(cfg.top_k, cfg.n_experts)
+    errors.one_of("router_kind", router_kind, KINDS)
+    if bias is not None and errors.array("bias", bias, ndim=1, kinds="f", shape_doc="bias[n_experts]") != (
+            cfg.n_experts,):
+        raise ConfigError(f"bias has shape {tuple(bias.shape)}: DeepSeek-V3's selection bias has one entry per "
+                          f"expert, [{cfg.n_experts}]")
     ep = mesh_lib.axis_size(mesh, EP)
     mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, (EP,), why="each ep device owns E/ep whole experts")
     mesh_lib.require_divisible("batch_size", B, mesh, (DP, EP), why="the batch is split over the dp x ep devices")
@@ -223,9 +231,10 @@ def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "pos
                       fix="capacity_factor is slots per expert over the mean load, e.g. 1.25; None is dropless")
     p = {name: params[name] for name in names}
     p_specs, x_spec = specs(mesh, p)
-    groups = B // mesh_lib.axis_size(mesh, DP) // ep * T        # tokens per device
-    shard = functools.partial(ep_moe_shard, axis=EP if ep > 1 else None, top_k=cfg.top_k, capacity_factor=capacity_factor, drop=drop,
-                              kind=cfg.mlp, router_kind=router_kind, renormalize=cfg.moe_renormalize)
+    tokens = B // mesh_lib.axis_size(mesh, DP) // ep * T        # per device
+    shard = functools.partial(ep_moe_shard, axis=EP if ep > 1 else None, top_k=cfg.top_k,
+                              capacity_factor=capacity_factor, drop=drop, kind=cfg.mlp, router_kind=router_kind,
+                              renormalize=cfg.moe_renormalize)
 
     def run(p, x, bias):
         b = x.shape[0]
@@ -237,4 +246,4 @@ def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "pos
         run = jax.shard_map(run, mesh=mesh, in_specs=(p_specs, x_spec, bias_spec), out_specs=(x_spec, x_spec, x_spec),
                             axis_names=set(manual_axes(mesh)))
     y, kept, dropped = run(p, x, bias)       # one device: nothing to split, no shard_map
-    return y, MoEStats(kept, dropped, ep, capacity(groups, cfg.top_k, cfg.n_experts, capacity_factor))
+    return y, MoEStats(kept, dropped, ep, capacity(tokens, cfg.top_k, cfg.n_experts, capacity_factor))

@@ -36,6 +36,9 @@ def _call(params=None, x=None, cfg=None, mesh=None, **kw):
     (dict(x=jnp.zeros((8, 4, 16), jnp.int32)), "must be floating point"),
     (dict(mesh=mesh_lib.make_mesh(dp=8)), "needs a mesh with a 'ep' axis"),
     (dict(cfg=reference.ModelConfig(n_layers=1, d_model=16, d_ff=32)), "n_experts=0 is a dense MLP"),
+    (dict(cfg={"n_experts": 8}), "cfg is a dict: give a reference.ModelConfig"),
+    (dict(router_kind="relu"), "router_kind='relu'"),
+    (dict(router_kind="sigmoid", bias=jnp.zeros(4)), r"bias has shape \(4,\).*\[8\]"),
 ])
 def test_ep_moe_refuses(kw, words):
     with pytest.raises(ConfigError, match=words):

@@ -51,7 +51,7 @@ def test_the_scan_finds_a_late_import(tmp_path):
 @pytest.mark.parametrize("module", ["jaxpar.pipeline.schedule", "jaxpar.pipeline.formulas", "jaxpar.pipeline.plan",
                                     "jaxpar.tensor.formulas", "jaxpar.context.formulas", "jaxpar.context.zigzag",
                                     "jaxpar.expert.formulas",
-                                    "jaxpar.comms", "jaxpar.errors", "jaxpar.cli.main"])
+                                    "jaxpar.comms", "jaxpar.errors", "jaxpar.lazy", "jaxpar.cli.main"])
 def test_pure_python_parts_start_without_jax(module):
     code = (f"import sys, {module}; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax', 'chex', 'optax')))")

@@ -14,7 +14,7 @@ The names below load from their module on first use (PEP 562), so that importing
 `jaxpar.expert.formulas` (pure Python, read by the planner) does not start JAX.
 """
 
-import importlib
+from jaxpar import lazy
 
 # public name -> the module of this package that defines it
 _EXPORTS = {
@@ -22,15 +22,4 @@ _EXPORTS = {
     "dispatch": ("MoEStats", "ep_moe", "ep_moe_shard", "positions"),
     "formulas": ("capacity", "dispatch_bytes", "ep_moe_collectives", "exercise_7"),
 }
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'jaxpar.expert' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"jaxpar.expert.{_WHERE[name]}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__, __all__ = lazy.exports(__name__, _EXPORTS)

@@ -14,7 +14,7 @@ The names below are loaded from their module on first use (PEP 562), so that imp
 `jaxpar.tensor.formulas` (pure Python, read by the planner) does not start JAX.
 """
 
-import importlib
+from jaxpar import lazy
 
 # public name -> the module of this package that defines it
 _EXPORTS = {
@@ -27,15 +27,4 @@ _EXPORTS = {
     "vocab": ("cross_entropy_shard", "embedding_shard", "lm_head_loss_shard", "tp_loss", "vocab_parallel_cross_entropy",
               "vocab_parallel_embedding", "vocab_parallel_lm_loss"),
 }
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'jaxpar.tensor' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"jaxpar.tensor.{_WHERE[name]}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__, __all__ = lazy.exports(__name__, _EXPORTS)

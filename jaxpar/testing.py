@@ -10,6 +10,7 @@ it (a table row, or JSON).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 
 import chex
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import comms
+from jaxpar import mesh as mesh_lib
 
 # (rtol, atol). float32 sums run in different orders on different shardings; float64
 # is the lecture's "below 1e-9" bound with room to spare.
@@ -87,6 +89,60 @@ def fwd_bwd(fn: Callable, *args, ct):
     fwd = fwd.lower(*args).compile()
     bwd = jax.jit(lambda vjp, ct: vjp(ct)).lower(vjp, ct).compile()
     return (fwd(*args), bwd(vjp, ct)), (compiled_collectives(fwd), compiled_collectives(bwd))
+
+
+@dataclasses.dataclass(kw_only=True)
+class Run:
+    """One step of a sharded program and of the reference on the same inputs, with the
+    collectives of the compiled forward and backward and their formulas. A technique's
+    run names its outputs (`named`) so that `compared` can hold each to the rule."""
+
+    out: tuple                      # the sharded program's outputs (and gradients)
+    ref: tuple                      # the reference's, the same structure
+    forward: comms.Collectives      # of the compiled forward
+    backward: comms.Collectives     # of the compiled backward (jit of the vjp function)
+    formula_forward: comms.Collectives
+    formula_backward: comms.Collectives
+
+    def named(self, outputs) -> dict:
+        """{name: output} of `out` or `ref`, the names the errors are reported under."""
+        raise NotImplementedError
+
+    @functools.cached_property
+    def compared(self) -> tuple[dict[str, float], tuple[float, float], bool]:
+        """compare() of the named outputs with the reference's."""
+        return compare(self.named(self.out), self.named(self.ref))
+
+    @property
+    def max_error(self) -> float:
+        return max(self.compared[0].values())
+
+    @property
+    def collectives_match(self) -> bool:
+        return self.forward == self.formula_forward and self.backward == self.formula_backward
+
+
+def default_mesh(axis: str, *, sizes: tuple[int, ...] = (4, 2)) -> tuple[jax.sharding.Mesh, str]:
+    """(dp x `axis` mesh, note) over the devices there are, for a technique's checks: the
+    size of `axis` is one of `sizes`, whichever leaves fewer devices out (the larger on a
+    tie), dp as many groups as fit, 1 on one device; the note says which devices were left
+    out, or that nothing is split."""
+    n = len(jax.devices())
+    size = max(sizes, key=lambda s: (n // s * s, s)) if n > 1 else 1
+    dp = n // size
+    m = mesh_lib.make_mesh(dp=dp, **{axis: size}, devices=jax.devices()[:dp * size])
+    if size == 1:
+        note = f"1 device: {axis}=1, nothing is split"
+    elif dp * size < n:
+        note = f"{n - dp * size} of {n} devices unused: {axis}={size} groups must fill the mesh"
+    else:
+        note = ""
+    return m, note
+
+
+def join_notes(*notes: str) -> str:
+    """The non-empty notes, joined by '; '."""
+    return "; ".join(n for n in notes if n)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -17,42 +17,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import mesh as mesh_lib
-from jaxpar import reference
-from jaxpar.comms import Collectives
+from jaxpar import reference, testing
 from jaxpar.context import formulas, zigzag
 from jaxpar.context.blockwise import merge, softmax_block
 from jaxpar.context.ring import CHUNK, ring_attention
 from jaxpar.context.ulysses import hybrid_attention
 from jaxpar.mesh import CP, DP, TP, UCP
-from jaxpar.testing import Result, compare, fwd_bwd
+from jaxpar.testing import Result, Run, fwd_bwd, join_notes
 
 # (method, layout, permute) -> what runs; the mesh decides cp, ucp, dp and tp
 METHODS = ("ring", "ulysses", "hybrid")
 
 
-@dataclasses.dataclass
-class AttentionRun:
-    """One forward + backward of a context-parallel attention and of the reference."""
+@dataclasses.dataclass(kw_only=True)
+class AttentionRun(Run):
+    """One forward + backward of a context-parallel attention and of the reference: out
+    and ref are (o, (dq, dk, dv))."""
 
-    out: tuple                      # (o, (dq, dk, dv))
-    ref: tuple
-    forward: Collectives
-    backward: Collectives
-    formula_forward: Collectives
-    formula_backward: Collectives
-
-    @functools.cached_property
-    def compared(self) -> tuple[dict, tuple, bool]:
-        named = lambda o: {"out": o[0], "dq": o[1][0], "dk": o[1][1], "dv": o[1][2]}
-        return compare(named(self.out), named(self.ref))
-
-    @property
-    def max_error(self) -> float:
-        return max(self.compared[0].values())
-
-    @property
-    def collectives_match(self) -> bool:
-        return self.forward == self.formula_forward and self.backward == self.formula_backward
+    def named(self, outputs) -> dict:
+        return {"out": outputs[0], "dq": outputs[1][0], "dk": outputs[1][1], "dv": outputs[1][2]}
 
 
 def attention_inputs(batch_size: int, seq_len: int, n_heads: int, n_kv_heads: int, head_dim: int,
@@ -109,24 +92,18 @@ def run_attention(method: str, mesh, *, causal: bool = True, layout: str = "cont
 
 
 def default_mesh(*, two_d: bool = False) -> tuple[jax.sharding.Mesh, str]:
-    """(mesh, note) over the devices there are: dp x cp with cp 4 or 2 (whichever leaves
-    fewer devices out, 4 on a tie), or for two_d dp x cp=2 x ucp=2; one device: cp=1."""
+    """(mesh, note) over the devices there are: dp x cp with cp 4 or 2
+    (testing.default_mesh), or for two_d dp x cp=2 x ucp=2 (dp filling the rest); one
+    device, or fewer than 4 for two_d: nothing is split."""
     n = len(jax.devices())
-    if two_d:
-        group = 4 if n >= 4 else 1
-        sizes = dict(dp=n // group, cp=2, ucp=2) if group == 4 else dict(dp=1, cp=1, ucp=1)
-    else:
-        cp = max((4, 2), key=lambda c: (n // c * c, c)) if n > 1 else 1
-        sizes = dict(dp=n // cp, cp=cp)
+    if not two_d:
+        return testing.default_mesh(CP)
+    sizes = dict(dp=n // 4, cp=2, ucp=2) if n >= 4 else dict(dp=1, cp=1, ucp=1)
     used = math.prod(sizes.values())
     m = mesh_lib.make_mesh(**sizes, devices=jax.devices()[:used])
-    note = ("1 device: nothing is split" if used == 1 else
+    note = ("fewer than 4 devices: nothing is split" if used == 1 else
             f"{n - used} of {n} devices unused" if used < n else "")
     return m, note
-
-
-def _joined(*notes: str) -> str:
-    return "; ".join(n for n in notes if n)
 
 
 def check_attention(method: str, *, layout: str = "contiguous", causal: bool = True) -> Result:
@@ -141,7 +118,7 @@ def check_attention(method: str, *, layout: str = "contiguous", causal: bool = T
                   measured={"fwd": run.forward, "bwd": run.backward},
                   expected={"fwd": run.formula_forward, "bwd": run.formula_backward},
                   passed=within and run.collectives_match, seconds=time.perf_counter() - start,
-                  note=_joined(f"out, dQ, dK, dV vs reference.attention; f32 GQA N=8 K=2 B={B} T=32"
+                  note=join_notes(f"out, dQ, dK, dV vs reference.attention; f32 GQA N=8 K=2 B={B} T=32"
                                + (", causal" if causal else ""), mesh_note))
 
 

@@ -16,12 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import mesh as mesh_lib
-from jaxpar import reference
-from jaxpar.comms import Collectives
+from jaxpar import reference, testing
 from jaxpar.expert import formulas
 from jaxpar.expert.dispatch import MoEStats, ep_moe
 from jaxpar.mesh import DP, EP
-from jaxpar.testing import Result, compare, compiled_collectives
+from jaxpar.testing import Result, Run, compiled_collectives, join_notes
 
 
 def moe_inputs(cfg: reference.ModelConfig, batch_size: int, seq_len: int, *, skew: float = 0.0,
@@ -87,31 +86,17 @@ def reference_capacity_moe(p: dict, x, *, top_k: int, groups: int, capacity: int
     return jnp.einsum("te,etd->td", gates, every).reshape(B, T, D)
 
 
-@dataclasses.dataclass
-class MoERun:
-    """One step of ep_moe and of its reference on the same inputs."""
+@dataclasses.dataclass(kw_only=True)
+class MoERun(Run):
+    """One step of ep_moe and of its reference on the same inputs: out and ref are
+    (y, (param grads, x grad)); stats are ep_moe's."""
 
-    out: tuple                 # (y, (param grads, x grad))
-    ref: tuple
     stats: MoEStats
-    forward: Collectives
-    backward: Collectives
-    formula_forward: Collectives
-    formula_backward: Collectives
 
-    @functools.cached_property
-    def compared(self) -> tuple[dict, tuple, bool]:
-        named = lambda o: {"y": o[0], "dx": o[1][1], "d router": o[1][0]["router"],
-                           "d experts": {k: v for k, v in o[1][0].items() if k != "router"}}
-        return compare(named(self.out), named(self.ref))
-
-    @property
-    def max_error(self) -> float:
-        return max(self.compared[0].values())
-
-    @property
-    def collectives_match(self) -> bool:
-        return self.forward == self.formula_forward and self.backward == self.formula_backward
+    def named(self, outputs) -> dict:
+        grads = outputs[1][0]
+        return {"y": outputs[0], "dx": outputs[1][1], "d router": grads["router"],
+                "d experts": {k: v for k, v in grads.items() if k != "router"}}
 
 
 def run_moe(cfg: reference.ModelConfig, mesh, *, batch_size: int, seq_len: int = 8, capacity_factor=None,
@@ -145,19 +130,8 @@ def _reference_step(fn):
 
 
 def default_mesh() -> tuple[jax.sharding.Mesh, str]:
-    """(dp x ep mesh, note): ep 4 or 2 (whichever leaves fewer devices out, 4 on a tie),
-    dp filling the rest; one device: ep=1."""
-    n = len(jax.devices())
-    ep = max((4, 2), key=lambda e: (n // e * e, e)) if n > 1 else 1
-    dp = n // ep
-    m = mesh_lib.make_mesh(dp=dp, ep=ep, devices=jax.devices()[:dp * ep])
-    note = ("1 device: nothing is split" if n == 1 else
-            f"{n - dp * ep} of {n} devices unused" if dp * ep < n else "")
-    return m, note
-
-
-def _joined(*notes: str) -> str:
-    return "; ".join(n for n in notes if n)
+    """(dp x ep mesh, note): ep 4 or 2, dp filling the rest (testing.default_mesh)."""
+    return testing.default_mesh(EP)
 
 
 CFG = reference.ModelConfig(n_layers=1, d_model=16, d_ff=32, n_experts=8, top_k=2)
@@ -176,7 +150,7 @@ def check_moe(capacity_factor=None, drop: str = "position") -> Result:
                   measured={"fwd": run.forward, "bwd": run.backward},
                   expected={"fwd": run.formula_forward, "bwd": run.formula_backward},
                   passed=ok, seconds=time.perf_counter() - start,
-                  note=_joined(f"E=8 top-2, {B * 8} tokens, vs reference.moe"
+                  note=join_notes(f"E=8 top-2, {B * 8} tokens, vs reference.moe"
                                + ("" if dropless else " with the same drops")
                                + f"; dropped {run.stats.drop_rate:.1%}", mesh_note))
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar import reference
+from jaxpar import reference, testing
 from jaxpar import mesh as mesh_lib
 from jaxpar.comms import Collectives, human_bytes
 from jaxpar.mesh import DP, TP
@@ -23,33 +23,16 @@ from jaxpar.tensor import formulas
 from jaxpar.tensor.block import tp_block
 from jaxpar.tensor.layers import row_split_gelu_error
 from jaxpar.tensor.vocab import vocab_parallel_embedding, vocab_parallel_lm_loss
-from jaxpar.testing import Result, compare, compiled_collectives, fwd_bwd
+from jaxpar.testing import Result, Run, compare, compiled_collectives, fwd_bwd, join_notes
 
 
-@dataclasses.dataclass
-class BlockRun:
-    """One step of tp_block and of reference.block on the same inputs."""
+@dataclasses.dataclass(kw_only=True)
+class BlockRun(Run):
+    """One step of tp_block and of reference.block on the same inputs: out and ref are
+    (y, (param grads, x grad))."""
 
-    out: tuple                      # (y, (param grads, x grad)) from tp_block
-    ref: tuple                      # the same from reference.block
-    forward: Collectives            # of the compiled forward
-    backward: Collectives           # of the compiled backward (jit of the vjp function)
-    formula_forward: Collectives
-    formula_backward: Collectives
-
-    @functools.cached_property
-    def compared(self) -> tuple[dict, tuple, bool]:
-        """testing.compare of y, dx and the parameter gradients."""
-        named = lambda o: {"y": o[0], "dx": o[1][1], "param grads": o[1][0]}
-        return compare(named(self.out), named(self.ref))
-
-    @property
-    def max_error(self) -> float:
-        return max(self.compared[0].values())
-
-    @property
-    def collectives_match(self) -> bool:
-        return self.forward == self.formula_forward and self.backward == self.formula_backward
+    def named(self, outputs) -> dict:
+        return {"y": outputs[0], "dx": outputs[1][1], "param grads": outputs[1][0]}
 
 
 def block_inputs(cfg: reference.ModelConfig, batch_size: int, seq_len: int, dtype=jnp.float32, seed: int = 0):
@@ -96,25 +79,9 @@ def _reference_step(cfg: reference.ModelConfig):
 
 
 def default_mesh() -> tuple[jax.sharding.Mesh, str]:
-    """(dp x tp mesh, note) over the devices there are, the one choice of tp shared by the
-    tour, example 03 and benchmarks/tensor.py: tp 4 or 2, whichever leaves fewer devices
-    out (4 on a tie), dp as many tp groups as fit, tp=1 on one device; the note says which
-    devices were left out, or that nothing is split."""
-    n = len(jax.devices())
-    tp = max((4, 2), key=lambda t: (n // t * t, t)) if n > 1 else 1
-    dp = n // tp
-    m = mesh_lib.make_mesh(dp=dp, tp=tp, devices=jax.devices()[:dp * tp])
-    if tp == 1:
-        note = "1 device: tp=1, nothing is split"
-    elif dp * tp < n:
-        note = f"{n - dp * tp} of {n} devices unused: tp={tp} groups must fill the mesh"
-    else:
-        note = ""
-    return m, note
-
-
-def _joined(*notes: str) -> str:
-    return "; ".join(n for n in notes if n)
+    """(dp x tp mesh, note): tp 4 or 2, the one choice shared by the tour, example 03 and
+    benchmarks/tensor.py (testing.default_mesh)."""
+    return testing.default_mesh(TP)
 
 
 def check_block(*, sequence_parallel: bool) -> Result:
@@ -129,7 +96,7 @@ def check_block(*, sequence_parallel: bool) -> Result:
                   measured={"fwd": run.forward, "bwd": run.backward},
                   expected={"fwd": run.formula_forward, "bwd": run.formula_backward},
                   passed=within and run.collectives_match, seconds=time.perf_counter() - start,
-                  note=_joined(f"fwd and bwd programs; f32 GQA SwiGLU B={batch_size} T=8", mesh_note))
+                  note=join_notes(f"fwd and bwd programs; f32 GQA SwiGLU B={batch_size} T=8", mesh_note))
 
 
 def check_counterexample() -> Result:
@@ -140,7 +107,7 @@ def check_counterexample() -> Result:
     return Result(name="counterexample: row-split A, GeLU of partial sums", mesh=mesh_lib.describe(m),
                   errors={"psum(GeLU(partial)) vs GeLU(XA)": err}, passed=err > 0.1 or tp == 1,
                   seconds=time.perf_counter() - start,
-                  note=_joined("tp=1: one device, nothing to split" if tp == 1
+                  note=join_notes("tp=1: one device, nothing to split" if tp == 1
                                else "passes when clearly wrong, > 0.1 (lecture: 0.82 for its setup)", mesh_note))
 
 
@@ -184,7 +151,7 @@ def check_vocab() -> Result:
     return Result(name="vocab-parallel embedding + LM head + CE", mesh=mesh_lib.describe(m), errors=errors,
                   tolerance=rule, measured=got, expected=want, passed=within and got == want,
                   seconds=time.perf_counter() - start,
-                  note=_joined("tp=1: all V logits on each device" if tp == 1 else
+                  note=join_notes("tp=1: all V logits on each device" if tp == 1 else
                                f"logits [B, T, V/t] per device; the full {human_bytes(B * T * V * 4)} never exist",
                                mesh_note))
 

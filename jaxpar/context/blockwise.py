@@ -87,17 +87,27 @@ def _finite(x):
     return jnp.where(jnp.isneginf(x), jnp.zeros_like(x), x)
 
 
+def unnormalised(s, v, mask=None):
+    """(numerator, denominator, shift) of scores s [B, K, G, Tq, Tk] over values v
+    [B, K, Tk, H]: sum_j exp(s_j - m) v_j, sum_j exp(s_j - m) and m, the row max (0 for a
+    row with every key masked). The shift is a stop_gradient: o and lse do not depend on it."""
+    s = _masked(s, mask)
+    m = jax.lax.stop_gradient(_finite(jnp.max(s, axis=-1)))
+    p = jnp.exp(s - m[..., None])
+    return jnp.einsum("bkgqs,bksh->bkgqh", p, v.astype(p.dtype)), jnp.sum(p, axis=-1), m
+
+
+def normalised(num, den, m):
+    """(o, lse) from unnormalised sums: o = num / den, lse = m + log(den); a row with
+    den = 0 (every key masked) gives o = 0, lse = -inf."""
+    safe = jnp.where(den > 0, den, jnp.ones_like(den))
+    return num / safe[..., None], jnp.where(den > 0, m + jnp.log(safe), -jnp.inf)
+
+
 def softmax_block(s, v, mask=None):
     """(o, lse) of scores s [B, K, G, Tq, Tk] over values v [B, K, Tk, H]; masked scores
     (mask [Tq, Tk] False) take no part. Fully masked rows give o = 0, lse = -inf."""
-    s = _masked(s, mask)
-    m = jax.lax.stop_gradient(_finite(jnp.max(s, axis=-1)))  # a shift: o and lse do not depend on it
-    p = jnp.exp(s - m[..., None])
-    total = jnp.sum(p, axis=-1)
-    safe = jnp.where(total > 0, total, jnp.ones_like(total))
-    o = jnp.einsum("bkgqs,bksh->bkgqh", p, v.astype(p.dtype)) / safe[..., None]
-    lse = jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
-    return o, lse
+    return normalised(*unnormalised(s, v, mask))
 
 
 def scores(q, k, scale):
@@ -115,10 +125,7 @@ def merge(o1, lse1, o2, lse2):
     """The online-softmax merge of two partial results over disjoint key sets."""
     m = _finite(jnp.maximum(lse1, lse2))
     w1, w2 = jnp.exp(lse1 - m), jnp.exp(lse2 - m)
-    total = w1 + w2
-    safe = jnp.where(total > 0, total, jnp.ones_like(total))
-    o = (o1 * w1[..., None] + o2 * w2[..., None]) / safe[..., None]
-    return o, jnp.where(total > 0, m + jnp.log(safe), -jnp.inf)
+    return normalised(o1 * w1[..., None] + o2 * w2[..., None], w1 + w2, m)
 
 
 def attend_backward(q, k, v, do, lse, delta, *, scale, mask=None):
@@ -164,14 +171,6 @@ def _chunk_mask(tq: int, size: int, j, causal: bool):
     return jnp.arange(tq)[:, None] >= j * size + jnp.arange(size)[None, :]
 
 
-def _partial(s, v, mask):
-    """(numerator, denominator, max) of one chunk: sum_j exp(s_j - m) v_j, sum_j exp(s_j - m), m."""
-    s = _masked(s, mask)
-    m = jax.lax.stop_gradient(_finite(jnp.max(s, axis=-1)))
-    p = jnp.exp(s - m[..., None])
-    return jnp.einsum("bkgqs,bksh->bkgqh", p, v.astype(p.dtype)), jnp.sum(p, axis=-1), m
-
-
 def attend_chunked(q, k, v, *, scale, causal: bool = False, chunk: int):
     """attend() with the keys taken `chunk` at a time (lax.scan): scores of Tq x chunk at a
     time instead of Tq x Tk. Inside the block the sums stay unnormalised (numerator,
@@ -184,18 +183,16 @@ def attend_chunked(q, k, v, *, scale, causal: bool = False, chunk: int):
     if n == 1:
         return attend(q, k, v, scale=scale, mask=causal_mask(tq, size) if causal else None)
     ks, vs = _split_keys(k, size), _split_keys(v, size)
-    first = _partial(scores(q, ks[0], scale), vs[0], _chunk_mask(tq, size, 0, causal))
+    first = unnormalised(scores(q, ks[0], scale), vs[0], _chunk_mask(tq, size, 0, causal))
 
     def body(carry, xs):
         num, den, m = carry
         kc, vc, j = xs
-        cnum, cden, cm = _partial(scores(q, kc, scale), vc, _chunk_mask(tq, size, j, causal))
+        cnum, cden, cm = unnormalised(scores(q, kc, scale), vc, _chunk_mask(tq, size, j, causal))
         new = jnp.maximum(m, cm)
         a, b = jnp.exp(m - new), jnp.exp(cm - new)
         return (num * a[..., None] + cnum * b[..., None], den * a + cden * b, new), None
-    num, den, m = jax.lax.scan(body, first, (ks[1:], vs[1:], jnp.arange(1, n)))[0]
-    safe = jnp.where(den > 0, den, jnp.ones_like(den))
-    return num / safe[..., None], jnp.where(den > 0, m + jnp.log(safe), -jnp.inf)
+    return normalised(*jax.lax.scan(body, first, (ks[1:], vs[1:], jnp.arange(1, n)))[0])
 
 
 def attend_backward_chunked(q, k, v, do, lse, delta, *, scale, causal: bool = False, chunk: int):

@@ -31,10 +31,8 @@ import numpy as np
 
 from jaxpar import errors
 from jaxpar.comms import Collectives
+from jaxpar.context import zigzag
 from jaxpar.errors import ConfigError
-
-LAYOUTS = ("contiguous", "zigzag")
-
 
 @runtime_checkable
 class HeadSizes(Protocol):
@@ -74,11 +72,18 @@ def _local(cfg, batch_size, seq_len, dtype, dp, tp, axes: dict[str, int]) -> _Lo
     return _Local(batch_size // dp, cfg.n_heads // tp, cfg.n_kv_heads // tp, cfg.head_dim, item, max(item, 4))
 
 
-def kv_heads_sent(n_heads: int, n_kv_heads: int, u: int) -> int:
-    """KV heads Ulysses sends per token over u devices: K, or u when u > K (repeated)."""
-    if n_heads % u or (n_kv_heads % u and u % n_kv_heads):
-        raise ConfigError(f"Ulysses over {u} devices needs n_heads={n_heads} divisible by {u} and n_kv_heads="
-                          f"{n_kv_heads} dividing or divided by {u}")
+def kv_heads_sent(n_heads: int, n_kv_heads: int, u: int, *, axis: str = "ucp") -> int:
+    """KV heads Ulysses over u devices (mesh axis `axis`) sends per token: K when u
+    divides K, u when K divides u (each KV head repeated u/K times). Refuses head counts
+    it cannot split."""
+    if n_heads % u:
+        raise ConfigError(f"n_heads={n_heads} is not divisible by {axis}={u}: Ulysses gives each of the {u} devices "
+                          f"n_heads/{u} whole heads. Fix: {axis} in ({errors.divisors(n_heads)}), or the ring "
+                          "(context.ring_attention), which splits the sequence instead")
+    if n_kv_heads % u and u % n_kv_heads:
+        raise ConfigError(f"n_kv_heads={n_kv_heads} and {axis}={u}: Ulysses splits the KV heads {u} ways or repeats "
+                          f"each one {axis}/n_kv_heads times, so one must divide the other. Fix: {axis} in "
+                          f"({errors.divisors(n_kv_heads)}) or a multiple of {n_kv_heads}")
     return n_kv_heads if n_kv_heads % u == 0 else u
 
 
@@ -102,38 +107,36 @@ def _ulysses(loc: _Local, tokens: int, kv_sent: int) -> Collectives:
     return Collectives({"all-to-all": (4, (2 * q + 2 * kv) * loc.item)})
 
 
-def _layout(layout) -> str:
-    return errors.one_of("layout", layout, LAYOUTS)
+def _hybrid(cfg, batch_size, seq_len, dtype, dp, cp, u, tp, layout, permute, backward, ulysses_axis) -> Collectives:
+    loc = _local(cfg, batch_size, seq_len, dtype, dp, tp, {"cp": cp, ulysses_axis: u})
+    relayout = zigzag.check_layout(layout) == "zigzag" and errors.flag("permute", permute)
+    errors.flag("backward", backward)
+    out = Collectives()
+    kv = loc.kv
+    if u > 1:
+        kv = kv_heads_sent(loc.heads, loc.kv, u, axis=ulysses_axis)
+        out = _ulysses(loc, seq_len // (cp * u), kv)
+    return out + _ring(loc, seq_len // cp, loc.heads // u, kv // u, cp, relayout, backward)
 
 
 def hybrid_collectives(*, cfg: HeadSizes, batch_size: int, seq_len: int, dtype, dp: int = 1, cp: int = 1,
                        ucp: int = 1, tp: int = 1, layout: str = "contiguous", permute: bool = False,
                        backward: bool = False) -> Collectives:
     """Ulysses over ucp inside, the ring over cp outside (ulysses.hybrid_attention)."""
-    loc = _local(cfg, batch_size, seq_len, dtype, dp, tp, {"cp": cp, "ucp": ucp})
-    relayout = _layout(layout) == "zigzag" and errors.flag("permute", permute)
-    errors.flag("backward", backward)
-    out = Collectives()
-    kv = loc.kv
-    if ucp > 1:
-        kv = kv_heads_sent(loc.heads, loc.kv, ucp)
-        out = _ulysses(loc, seq_len // (cp * ucp), kv)
-    return out + _ring(loc, seq_len // cp, loc.heads // ucp, kv // ucp, cp, relayout, backward)
+    return _hybrid(cfg, batch_size, seq_len, dtype, dp, cp, ucp, tp, layout, permute, backward, "ucp")
 
 
 def ring_collectives(*, cfg: HeadSizes, batch_size: int, seq_len: int, dtype, dp: int = 1, cp: int = 1,
                      tp: int = 1, layout: str = "contiguous", permute: bool = False,
                      backward: bool = False) -> Collectives:
     """ring.ring_attention's forward or backward program."""
-    return hybrid_collectives(cfg=cfg, batch_size=batch_size, seq_len=seq_len, dtype=dtype, dp=dp, cp=cp, tp=tp,
-                              layout=layout, permute=permute, backward=backward)
+    return _hybrid(cfg, batch_size, seq_len, dtype, dp, cp, 1, tp, layout, permute, backward, "ucp")
 
 
 def ulysses_collectives(*, cfg: HeadSizes, batch_size: int, seq_len: int, dtype, dp: int = 1, cp: int = 1,
                         tp: int = 1, backward: bool = False) -> Collectives:
     """ulysses.ulysses_attention (Ulysses over cp) forward or backward program."""
-    return hybrid_collectives(cfg=cfg, batch_size=batch_size, seq_len=seq_len, dtype=dtype, dp=dp, ucp=cp, tp=tp,
-                              backward=backward)
+    return _hybrid(cfg, batch_size, seq_len, dtype, dp, 1, cp, tp, "contiguous", False, backward, "cp")
 
 
 def ring_step(*, cfg: HeadSizes, batch_size: int, seq_len: int, dtype, cp: int) -> dict[str, float]:

@@ -33,23 +33,10 @@ from jaxpar import errors
 from jaxpar import mesh as mesh_lib
 from jaxpar.context import zigzag
 from jaxpar.context.blockwise import check_qkv
+from jaxpar.context.formulas import kv_heads_sent
 from jaxpar.context.ring import CHUNK, MAX_CHUNK, ring_attention_shard, specs
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import CP, UCP
-
-
-def check_heads(n_heads: int, n_kv_heads: int, u: int, *, axis: str) -> int:
-    """Refuse head counts Ulysses over u devices cannot split; return the KV heads sent
-    (K, or u when each KV head is repeated u/K times)."""
-    if n_heads % u:
-        raise ConfigError(f"n_heads={n_heads} is not divisible by {axis}={u}: Ulysses gives each of the {u} devices "
-                          f"n_heads/{u} whole heads. Fix: {axis} in ({errors.divisors(n_heads)}), or the ring "
-                          "(context.ring_attention), which splits the sequence instead")
-    if n_kv_heads % u and u % n_kv_heads:
-        raise ConfigError(f"n_kv_heads={n_kv_heads} and {axis}={u}: Ulysses splits the KV heads {u} ways or repeats "
-                          f"each one {axis}/n_kv_heads times, so one must divide the other. Fix: {axis} in "
-                          f"({errors.divisors(n_kv_heads)}) or a multiple of {n_kv_heads}")
-    return n_kv_heads if n_kv_heads % u == 0 else u
 
 
 def _to_heads(x, axis):
@@ -78,7 +65,7 @@ def hybrid_attention_shard(q, k, v, *, ulysses_axis=UCP, ring_axis=CP, causal: b
     B, Tc, N, K, H = check_qkv(q, k, v, needed_by="hybrid_attention_shard")
     u = 1 if ulysses_axis is None else jax.lax.axis_size(ulysses_axis)
     if u > 1:
-        sent = check_heads(N, K, u, axis=ulysses_axis)
+        sent = kv_heads_sent(N, K, u, axis=ulysses_axis)
         if sent != K:
             k, v = (jnp.repeat(a, sent // K, axis=2) for a in (k, v))
         q, k, v = (_to_heads(a, ulysses_axis) for a in (q, k, v))
@@ -109,7 +96,7 @@ def hybrid_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "conti
     u = mesh_lib.axis_size(mesh, ulysses_axis) if ulysses_axis else 1
     cp = mesh_lib.axis_size(mesh, ring_axis) if ring_axis else 1
     if u > 1:
-        check_heads(N // tp, K // tp, u, axis=ulysses_axis)
+        kv_heads_sent(N // tp, K // tp, u, axis=ulysses_axis)
     mesh_lib.require_divisible("seq_len", T, mesh, axes, why="each device holds seq_len/(cp*u) tokens")
     zigzag.check_sequence(T, cp, layout)
     shard = functools.partial(hybrid_attention_shard, ulysses_axis=ulysses_axis if u > 1 else None,

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from benchmarks._timing import alternated
 from jaxpar import comms, mesh, reference
 from jaxpar.context import ring
 from jaxpar.context.verify import attention_inputs
@@ -108,18 +109,6 @@ def memory_rows() -> list[dict]:
     return rows
 
 
-def _time(fns: dict, args, repeats=REPEATS) -> dict[str, list[float]]:
-    times = {name: [] for name in fns}
-    for fn in fns.values():
-        jax.block_until_ready(fn(*args))           # warm-up (and compile)
-    for _ in range(repeats):
-        for name, fn in fns.items():               # alternated: the machine's noise hits both
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
 def peer_rows(T: int = 4096) -> list[dict]:
     m = _mesh()
     peer_fn = load_peer()
@@ -132,7 +121,7 @@ def peer_rows(T: int = 4096) -> list[dict]:
         wide = [jnp.asarray(np.asarray(a), jnp.float64) for a in (q, k, v, do)]
         ref = jax.tree.map(np.asarray, _step(lambda q, k, v: reference.attention(q, k, v))(*wide))
     errors = {name: max_abs_diff(fn(q, k, v, do), ref) for name, fn in fns.items()}
-    times = _time(fns, (q, k, v, do))
+    times = alternated(fns, (q, k, v, do), REPEATS)
     ours = times["jaxpar zigzag ring"]
     peers = [name for name in times if name.startswith("ringattention")]
     best = min(peers, key=lambda n: statistics.median(times[n])) if peers else None
@@ -153,7 +142,7 @@ def chunk_rows(T: int = 4096, chunks=(64, 128, 256, 512, 1 << 20)) -> list[dict]
     q, k, v, do = attention_inputs(1, T, N, N, H)
     fns = {c: _step(lambda q, k, v, c=c: ring.ring_attention(q, k, v, mesh=m, layout="zigzag", chunk=c))
            for c in chunks}
-    times = _time(fns, (q, k, v, do), repeats=3)
+    times = alternated(fns, (q, k, v, do), 3)
     base = statistics.median(times[ring.CHUNK])
     return [{"row": "chunk", "T": T, "cp": CP, "program": f"chunk {c}" if c < T else "whole blocks",
              "fwd+bwd s": round(statistics.median(ts), 3), "default / this": round(base / statistics.median(ts), 3),

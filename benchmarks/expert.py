@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from benchmarks._timing import alternated
 from jaxpar import comms, mesh, reference
 from jaxpar.expert import dispatch, router
 from jaxpar.expert.formulas import capacity
@@ -79,24 +79,12 @@ def _programs(cfg, m, tokens):
     return {"jaxpar all-to-all": step(ours), "GShard one-hot einsum": step(peer)}, (p, x, dy)
 
 
-def _time(fns, args):
-    times = {name: [] for name in fns}
-    for fn in fns.values():
-        jax.block_until_ready(fn(*args))
-    for _ in range(REPEATS):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
 def speed_rows(tokens: int = 4096) -> list[dict]:
     cfg = reference.ModelConfig(n_layers=1, d_model=512, d_ff=2048, n_experts=8, top_k=2)
     fns, args = _programs(cfg, _mesh(), tokens)
     outs = {name: fn(*args) for name, fn in fns.items()}
     diff = max_abs_diff(*outs.values())
-    times = _time(fns, args)
+    times = alternated(fns, args, REPEATS)
     ours = times["jaxpar all-to-all"]
     return [{"row": "speed", "E": 8, "tokens/device": tokens, "program": name,
              "fwd+bwd s": round(statistics.median(ts), 3),

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from benchmarks._timing import alternated
 from jaxpar import comms, mesh, reference, tensor
 from jaxpar.tensor.verify import default_mesh
 
@@ -75,14 +75,8 @@ def _step(fwd):
 def _time_pair(f, g, *args) -> tuple[float, float, float]:
     """Median seconds of f(*args) and g(*args), alternated so that load hits both alike,
     and the ratio of their fastest runs (the least noisy estimate on a shared machine)."""
-    jax.block_until_ready((f(*args), g(*args)))
-    tf, tg = [], []
-    for _ in range(REPEATS):
-        for fn, times in ((f, tf), (g, tg)):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - t0)
-    return statistics.median(tf), statistics.median(tg), min(tf) / min(tg)
+    t = alternated({"f": f, "g": g}, args, REPEATS)
+    return statistics.median(t["f"]), statistics.median(t["g"]), min(t["f"]) / min(t["g"])
 
 
 def _residuals(m, p, x, sp, dp, t) -> dict:

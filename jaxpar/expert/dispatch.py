@@ -226,12 +226,10 @@ def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "pos
     mesh_lib.require_divisible("n_experts", cfg.n_experts, mesh, (EP,), why="each ep device owns E/ep whole experts")
     mesh_lib.require_divisible("batch_size", B, mesh, (DP, EP), why="the batch is split over the dp x ep devices")
     errors.one_of("drop", drop, DROPS)
-    if capacity_factor is not None:
-        errors.number("capacity_factor", capacity_factor,
-                      fix="capacity_factor is slots per expert over the mean load, e.g. 1.25; None is dropless")
+    tokens = B // mesh_lib.axis_size(mesh, DP) // ep * T        # per device
+    C = capacity(tokens, cfg.top_k, cfg.n_experts, capacity_factor)   # refuses a capacity_factor <= 0
     p = {name: params[name] for name in names}
     p_specs, x_spec = specs(mesh, p)
-    tokens = B // mesh_lib.axis_size(mesh, DP) // ep * T        # per device
     shard = functools.partial(ep_moe_shard, axis=EP if ep > 1 else None, top_k=cfg.top_k,
                               capacity_factor=capacity_factor, drop=drop, kind=cfg.mlp, router_kind=router_kind,
                               renormalize=cfg.moe_renormalize)
@@ -246,4 +244,4 @@ def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "pos
         run = jax.shard_map(run, mesh=mesh, in_specs=(p_specs, x_spec, bias_spec), out_specs=(x_spec, x_spec, x_spec),
                             axis_names=set(manual_axes(mesh)))
     y, kept, dropped = run(p, x, bias)       # one device: nothing to split, no shard_map
-    return y, MoEStats(kept, dropped, ep, capacity(tokens, cfg.top_k, cfg.n_experts, capacity_factor))
+    return y, MoEStats(kept, dropped, ep, C)

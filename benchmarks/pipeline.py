@@ -89,7 +89,7 @@ def memory_rows(width: int = 256, mb: int = 32) -> list[dict]:
             x = jax.ShapeDtypeStruct((m * mb, width), jnp.float32)
             pipe = _build(kind, m, params, (x, x), msh)
             stage_params = jax.eval_shape(lambda p: runtime.to_stages(p, pipe.schedule), params)
-            temp = pipe.step.lower(stage_params, x, x).compile().memory_analysis().temp_size_in_bytes
+            temp = pipe.step.lower(stage_params, x, x, None, None).compile().memory_analysis().temp_size_in_bytes
             first = temp if first is None else first
             rows.append({
                 "figure": "temp memory", "kind": kind if kind == "baseline" else f"{kind} (schedule)",
@@ -120,7 +120,7 @@ def time_rows(repeats: int = REPEATS, ms=TIME_M) -> list[dict]:
         for kind in ("1f1b", "baseline"):
             pipe = _build(kind, m, params, batch, msh)
             stage_params = jax.device_put(runtime.to_stages(params, pipe.schedule), NamedSharding(msh, P(mesh.PP)))
-            jax.block_until_ready(pipe.step(stage_params, inputs, targets))  # compile + warm-up
+            jax.block_until_ready(pipe.step(stage_params, inputs, targets, None, None))  # compile + warm-up
             steps[m, kind] = (pipe.step, stage_params)
 
     # the ideal per-device work: one stage (N_LAYERS / p layers) forward + backward (weight
@@ -139,7 +139,7 @@ def time_rows(repeats: int = REPEATS, ms=TIME_M) -> list[dict]:
         for m in ms:
             for kind in (("1f1b", "baseline") if r % 2 == 0 else ("baseline", "1f1b")):
                 step, stage_params = steps[m, kind]
-                times[m, kind].append(_timed(step, stage_params, inputs, targets))
+                times[m, kind].append(_timed(step, stage_params, inputs, targets, None, None))
     ideal = min(stage_times)
 
     rows = []

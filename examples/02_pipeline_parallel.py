@@ -83,7 +83,7 @@ def demo_memory():
         one = runtime.pipeline(schedule.make("1f1b", 4, m), stage.mlp_stage, params, batch, mesh=m4,
                                input_grads=False)
         base = baseline.gpipe_baseline(stage.mlp_stage, params, batch, mesh=m4, microbatches=m)
-        temps = [pipe.step.lower(runtime.to_stages(params, pipe.schedule), *batch).compile()
+        temps = [pipe.step.lower(runtime.to_stages(params, pipe.schedule), *batch, None, None).compile()
                  .memory_analysis().temp_size_in_bytes / act for pipe in (one, base)]
         first = first or dict(zip(("1f1b", "base"), temps))
         print(f"  {m:>3}  {temps[0]:8.1f} ({temps[0] / first['1f1b']:4.2f}x)  {temps[1]:10.1f} "

@@ -62,6 +62,7 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[0-9,]*\})")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 def _type_bytes(type_str: str) -> float:
@@ -83,6 +84,7 @@ class CollectiveOp:
     group_size: int      # devices taking part in each group (2 for a permute pair)
     executions: int      # times it runs per execution of the program
     conditional: bool = False   # inside a conditional branch: counted as an upper bound
+    scope: str = ""      # the op_name of its metadata: the named scopes of the JAX code
 
     @property
     def wire_bytes(self) -> float:
@@ -159,7 +161,9 @@ def collective_ops_from_hlo(hlo: str) -> list[CollectiveOp]:
                 operand = _operand_bytes(instr, types[comp])
                 n = 2 if kind == "collective-permute" else _group_size(instr.rest, partitions)
                 logical = operand * n if kind == "all-gather" else operand
-                ops.append(CollectiveOp(kind, instr.name, comp, logical, n, executions))
+                scope = _OP_NAME.search(instr.rest)
+                ops.append(CollectiveOp(kind, instr.name, comp, logical, n, executions,
+                                        scope=scope.group(1) if scope else ""))
             if instr.opcode == "while":
                 callees = dict(_CALLS.findall(instr.rest))
                 trip = _TRIP.search(instr.rest)
@@ -190,6 +194,32 @@ def collective_ops_from_hlo(hlo: str) -> list[CollectiveOp]:
         return ops
 
     return walk(entry, 1)
+
+
+def resolve(ops: list[CollectiveOp], runs: Mapping[str, int]) -> list[CollectiveOp]:
+    """Exact counts for guarded collectives: a program that wraps a collective in a
+    `lax.cond` under `jax.named_scope(name)`, and knows from its static tables how many
+    times per execution the predicate holds (`runs[name]`), gets those counts in place of
+    the upper bound. Each name must match at least one conditional op, and a count above
+    the bound the HLO allows is refused."""
+    out, seen = [], set()
+    for op in ops:
+        names = [name for name in runs if op.conditional and f"/{name}/" in f"/{op.scope}/"]
+        if len(names) > 1:
+            raise ConfigError(f"collective {op.name} sits in the scopes {names}: give each guarded op one scope")
+        if names:
+            n = runs[names[0]]
+            if n > op.executions:
+                raise ConfigError(f"runs[{names[0]!r}] = {n} is more than the {op.executions} executions "
+                                  f"the compiled loop allows for {op.name}")
+            seen.add(names[0])
+            op = dataclasses.replace(op, executions=n, conditional=False)
+        out.append(op)
+    missing = set(runs) - seen
+    if missing:
+        raise ConfigError(f"no conditional collective in the scopes {sorted(missing)}: the program does not "
+                          "guard them as `runs` says")
+    return out
 
 
 def compiled_text(jitted_fn: Callable, *args, **kwargs) -> str:

@@ -75,9 +75,11 @@ def compare(actual: Mapping, expected: Mapping) -> tuple[dict[str, float], tuple
     return errors, rule, all(close(actual[name], expected[name]) for name in expected)
 
 
-def compiled_collectives(compiled) -> comms.Collectives:
-    """The collectives of a compiled program (`jit(f).lower(...).compile()`)."""
-    return comms.nonzero(comms.summarize(comms.collective_ops_from_hlo(compiled.as_text())))
+def compiled_collectives(compiled, runs=None) -> comms.Collectives:
+    """The collectives of a compiled program (`jit(f).lower(...).compile()`); `runs`
+    {scope: count} makes guarded collectives exact (`comms.resolve`)."""
+    ops = comms.collective_ops_from_hlo(compiled.as_text())
+    return comms.nonzero(comms.summarize(comms.resolve(ops, runs) if runs else ops))
 
 
 def fwd_bwd(fn: Callable, *args, ct):

@@ -35,7 +35,7 @@ def gpipe_baseline(stage_fn: Callable, params, batch, *, mesh, microbatches: int
     axes = (DP, PP) if has_dp else (PP,)
     chain = [(d, d + 1) for d in range(p - 1)]
 
-    def local(params, inputs, targets):
+    def local(params, inputs, targets, first_params, last_params):  # the runtime's signature; no first/last
         stage_params = jax.tree.map(lambda a: a[0, 0], params)       # [Lc, ...]
         split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])  # [m, mb, ...]
         me = jax.lax.axis_index(PP)
@@ -66,8 +66,9 @@ def gpipe_baseline(stage_fn: Callable, params, batch, *, mesh, microbatches: int
             varying(stage_params, axes), varying(inputs, axes))
         if has_dp:
             loss, grads = jax.lax.psum((loss, grads), DP)
-        return loss[None], jax.tree.map(lambda a: a[None, None], grads), dx[None]
+        return loss[None], jax.tree.map(lambda a: a[None, None], grads), dx[None], None, None
 
-    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(PP), P(DP) if has_dp else P(), P(DP) if has_dp else P()),
-                                 out_specs=(P(PP), P(PP), P(PP, DP) if has_dp else P(PP))))
+    batch_spec = P(DP) if has_dp else P()
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(PP), batch_spec, batch_spec, None, None),
+                                 out_specs=(P(PP), P(PP), P(PP, DP) if has_dp else P(PP), None, None)))
     return Pipeline(step=step, plan=None, schedule=schedule, mesh=mesh)

@@ -17,11 +17,15 @@ in the order of the schedule's ticks, to the earliest step that respects
 so every device runs exactly its program, in its order, and the residual slots follow.
 At the end of every step each lane's output moves: to the device itself (the loss
 gradient of the last stage, the turn of the V layout), to the next device (`right`: d ->
-d + 1, wrapping for interleaved chunks) or to the previous one (`left`). Consecutive steps
-that move data the same ways form a segment; the runtime runs one `lax.scan` per segment
-with a `ppermute` only for the (lane, direction) pairs it uses, so the compiled
-collective-permutes are exactly the schedule's: one per step, lane and direction in which
-some device sends (`permutes`); together they carry every one of `Schedule.sends`.
+d + 1, wrapping for interleaved chunks) or to the previous one (`left`). The program is
+ONE `lax.scan` over the steps, whatever p and m: its size does not grow with m. Each
+(lane, direction) the schedule ever uses is a channel, a `ppermute` under a `lax.cond`
+that the step's row of `flags` opens (the same on every device, so all take the same
+branch): the collective-permutes that run are exactly the schedule's, one per step, lane
+and direction in which some device sends (`permutes`); together they carry every one of
+`Schedule.sends`. A channel's ppermute sits in the named scope `scope(lane, direction)`,
+so the accounting (`runs`) can tell the compiled program which of its conditional
+collectives run how often.
 
 Buffers hold, per device, `slots + 1` entries; the last is the trash slot that writes with
 nothing to write go to, so no step needs a conditional write. Slot counts are the most
@@ -44,20 +48,27 @@ LANES = ("B", "F")  # run in this order within a step: B frees a slot that F may
 # fields of one table entry (step, device). A receive field {lane}_{channel}_{buffer} is the
 # slot where that lane's output lands: channel local (the device's own), from_left (sent
 # right by d - 1) or from_right (sent left by d + 1), buffer x or g.
-FIELDS = ("f_branch", "f_microbatch", "from_batch", "x_read", "res_write",
+FIELDS = ("f_branch", "f_chunk", "f_microbatch", "from_batch", "x_read", "res_write",
           "b_branch", "b_microbatch", "b_chunk", "g_read", "res_read", "gw_write", "dx_write",
           "F_local_x", "F_from_left_x", "F_from_right_x", "F_local_g",
           "B_local_g", "B_from_left_g", "B_from_right_g")
 F = {name: i for i, name in enumerate(FIELDS)}
+F_BRANCHES = ("idle", "F", "F_last")   # f_branch: F_last is F of the last stage, with the loss
+B_BRANCHES = ("idle", "B", "W")        # b_branch; the chunk is f_chunk / b_chunk
+
+
+def scope(lane: str, direction: str) -> str:
+    """The named scope of a channel's ppermute in the compiled program."""
+    return f"pipeline_send_{lane}_{direction}"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
     """schedule's tables: `table[step, device, field]` (FIELDS), slot counts, the schedule
-    tick each step starts at, and the segments (start, stop, sends) of steps whose sends
-    are the same set of (lane, direction) pairs. `f_branches` / `b_branches` name each
-    lane's switch branches in order (kind, chunk); `pairs[lane, direction]` are the
-    (source, destination) devices of that ppermute; `channels` the receive fields used."""
+    tick each step starts at; `sends` the (lane, direction) channels the schedule uses and
+    `flags[step, channel]` whether that channel sends at that step; `pairs[lane,
+    direction]` the (source, destination) devices of its ppermute; `channels` the
+    receive fields used."""
 
     schedule: Schedule
     table: np.ndarray
@@ -65,10 +76,9 @@ class Plan:
     n_x: int
     n_g: int
     n_res: int
-    segments: tuple[tuple[int, int, frozenset], ...]
+    sends: tuple[tuple[str, str], ...]
+    flags: np.ndarray
     pairs: dict
-    f_branches: tuple[tuple[str, int], ...]
-    b_branches: tuple[tuple[str, int], ...]
     channels: frozenset
     transfers: int
 
@@ -77,10 +87,19 @@ class Plan:
         return len(self.ticks)
 
     @property
+    def scans(self) -> int:
+        """`lax.scan`s over steps in the program: one, for every schedule, p and m."""
+        return 1 if self.steps else 0
+
+    @property
     def permutes(self) -> int:
         """collective-permute executions per pipeline step: one per (step, lane, direction)
         in which at least one device sends."""
-        return sum((stop - start) * len(sends) for start, stop, sends in self.segments)
+        return int(self.flags.sum())
+
+    def runs(self) -> dict[str, int]:
+        """{scope of a channel's ppermute: steps in which it runs}."""
+        return {scope(*ch): int(self.flags[:, j].sum()) for j, ch in enumerate(self.sends)}
 
 
 
@@ -124,12 +143,8 @@ def plan(s: Schedule) -> Plan:
     """The tables for schedule `s` (validated first: a table that cannot run raises
     ScheduleError, a ValueError)."""
     s.validate()
-    p, m, v, last = s.stages, s.microbatches, s.chunks, s.virtual_stages - 1
+    p, m, last = s.stages, s.microbatches, s.virtual_stages - 1
     at, ticks = _steps(s)
-    last_chunk = s.device_of(last)[1]
-    f_branches = [("idle", 0)] + [("F", c) for c in range(v)] + [("F_last", last_chunk)]
-    b_branches = [("idle", 0)] + [("B", c) for c in range(v)] + ([("W", c) for c in range(v)] if s.split_backward else [])
-    f_of, b_of = {b: j for j, b in enumerate(f_branches)}, {b: j for j, b in enumerate(b_branches)}
 
     # Deliveries: (receiver, buffer, key (i, stage), arrival step, consume step, field)
     deliveries, sends = [], set()  # sends: (step, lane, direction, src, dst)
@@ -185,14 +200,14 @@ def plan(s: Schedule) -> Plan:
             k = s.stage_of(d, c)
             row = table[at[a.kind, i, k], d]
             if a.kind == "F":
-                row[F["f_branch"]] = f_of["F_last", c] if k == last else f_of["F", c]
-                row[F["f_microbatch"]], row[F["res_write"]] = i, res_slot[d, (i, k)]
+                row[F["f_branch"]] = F_BRANCHES.index("F_last" if k == last else "F")
+                row[F["f_chunk"]], row[F["f_microbatch"]], row[F["res_write"]] = c, i, res_slot[d, (i, k)]
                 if k == 0:
                     row[F["from_batch"]] = 1
                 else:
                     row[F["x_read"]] = slots[d, "x", (i, k)]
                 continue
-            row[F["b_branch"]] = b_of[a.kind, c]
+            row[F["b_branch"]] = B_BRANCHES.index(a.kind)
             row[F["b_microbatch"]], row[F["b_chunk"]], row[F["res_read"]] = i, c, res_slot[d, (i, k)]
             if a.kind == "B":
                 row[F["g_read"]] = slots[d, "g", (i, k)]
@@ -203,22 +218,14 @@ def plan(s: Schedule) -> Plan:
     for dd, buf, key, j, _, field in deliveries:
         table[j, dd, F[field]] = slots[dd, buf, key]
 
-    by_step: dict[int, set] = {}
-    for j, lane, direction, _, _ in sends:
-        by_step.setdefault(j, set()).add((lane, direction))
-    segments: list[tuple[int, int, frozenset]] = []
-    for j in range(len(ticks)):
-        key = frozenset(by_step.get(j, ()))
-        if segments and segments[-1][2] == key:
-            segments[-1] = (segments[-1][0], j + 1, key)
-        else:
-            segments.append((j, j + 1, key))
+    used = tuple(sorted({(lane, direction) for _, lane, direction, _, _ in sends}))
+    flags = np.zeros((len(ticks), len(used)), bool)
     pairs = {}
-    for _, lane, direction, src, dst in sends:
+    for j, lane, direction, src, dst in sends:
+        flags[j, used.index((lane, direction))] = True
         pairs.setdefault((lane, direction), set()).add((src, dst))
     return Plan(schedule=s, table=table, ticks=tuple(ticks), n_x=n["x"], n_g=n["g"], n_res=n_res,
-                segments=tuple(segments), pairs={k: tuple(sorted(v)) for k, v in pairs.items()},
-                f_branches=tuple(f_branches), b_branches=tuple(b_branches),
+                sends=used, flags=flags, pairs={k: tuple(sorted(v)) for k, v in pairs.items()},
                 channels=frozenset(field for *_, field in deliveries), transfers=len(sends))
 
 
@@ -231,10 +238,10 @@ def ascii_steps(pl: Plan) -> str:
     def cell(j: int, d: int) -> str:
         e = t[j, d]
         out = ""
-        kind, c = pl.b_branches[e[F["b_branch"]]]
+        kind, c = B_BRANCHES[e[F["b_branch"]]], e[F["b_chunk"]]
         if kind != "idle":
             out += f"{kind}{e[F['b_microbatch']]}" + (f".{c}" if c else "")
-        kind, c = pl.f_branches[e[F["f_branch"]]]
+        kind, c = F_BRANCHES[e[F["f_branch"]]], e[F["f_chunk"]]
         if kind != "idle":
             out += f"F{e[F['f_microbatch']]}" + (f".{c}" if c else "")
         return out or "."

@@ -7,33 +7,33 @@
 
 `params` is a pytree whose leaves stack the model's L layers on a leading axis; stage k
 of the S = p*v model stages holds layers [k*L/S, (k+1)*L/S), and `stage_fn(stage_params,
-x) -> y` runs them (`layers(layer_fn)` builds one; `stage.py` says what a stage is).
+x) -> y` runs them (`layers(layer_fn)` builds one whose layers run under lax.scan;
+`stage.py` says what a stage is). The program (`program.py`) is one `lax.scan` over the
+plan's steps (`plan.py`), inside ONE shard_map over every axis of the mesh:
 
-Inside `shard_map` over `pp` (and `dp`), `lax.scan` walks the steps of the schedule's
-plan (`plan.py`: its table as integer tables). At each step a device reads its entry,
-indexed by `lax.axis_index("pp")`, and runs two lanes, each a `lax.switch`:
-  backward lane  idle; B c: the pullback of the output gradient rebuilt from the slot of
-                 chunk c's F: the input gradient goes to the previous stage and, unless
-                 the schedule splits the backward, the weight gradient is added to the
-                 chunk's; split, the output gradient waits in the slot for W; W c: the
-                 weight gradient alone (the zero-bubble schedules);
-  forward lane   idle; F c: chunk c's stage under `jax.vjp`, the output to the next stage,
-                 the vjp's residuals (a pytree of arrays) into a slot, or with
-                 `recompute=True` only the input (B runs the forward again); F last: the
-                 same plus the loss and its gradient, which waits here for this stage's B.
-Then `ppermute` moves each lane's output to the next (right) or previous (left) device,
-wrapping around for interleaved chunks, only in the steps and directions the schedule
-sends. Residual slots number the schedule's `peak_in_flight`, so compiled memory follows
-the schedule: 1F1B's does not grow with m, GPipe's does. Over dp, the gradients are
-all-reduced (psum) once, at the end.
+  * over pp, the schedule: each device runs its row of the plan;
+  * over the axes `batch_spec` splits the batch on (dp by default; (dp, ep), or cp on the
+    sequence, for a composed model), data parallelism: the gradients of a weight are
+    summed once, at the end, over those of these axes its PartitionSpec does not split;
+  * over any other axis (tp, ...), nothing: the stage function is per-shard code, and
+    `param_specs` (PartitionSpecs of one layer's parameters, over the non-pp axes) say
+    how its parameters are split. A TP stage is `tensor.layers.block_shard` over tp.
 
+`first_fn(first_params, inputs) -> activation` runs on stage 0 (e.g. the vocab-parallel
+embedding of token ids) and, with `last_params`, `loss_fn(last_params, y, targets)` on
+the last (e.g. the LM head and the vocab-parallel cross-entropy): both inside the
+pipeline, their gradients returned in Grads.first / Grads.last.
+
+`run` builds the step once per (schedule, functions, shapes, dtypes, mesh, options) and
+caches it, as `jax.jit` does; `pipeline(...)` / `run_pipeline(pipe, ...)` hold it yourself.
 `baseline.gpipe_baseline` is the simple alternative (the JAX shard_map docs, MaxText): a
 forward-only scanned pipeline differentiated by autodiff, whose memory grows with m.
 """
 
 from __future__ import annotations
 
-import functools
+import collections
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -41,235 +41,156 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.collectives import varying
-from jaxpar.errors import ConfigError
-from jaxpar.mesh import DP, PP, axis_size
+from jaxpar.mesh import PP, axis_size
+from jaxpar.pipeline import passes as passes_lib
 from jaxpar.pipeline import plan as plan_lib
-from jaxpar.pipeline.plan import F as FIELD
-from jaxpar.pipeline.plan import LANES
+from jaxpar.pipeline.program import Program
 from jaxpar.pipeline.schedule import Schedule
-from jaxpar.pipeline.stage import Grads, from_stages, layers, mse, to_stages, unstack, validate, validate_options
+from jaxpar.pipeline.stage import (Grads, check_shapes, from_stages, layers, mse, spec_axes, to_stages, validate,
+                                   validate_options)
 
 __all__ = ["Grads", "Pipeline", "from_stages", "layers", "mse", "pipeline", "run", "run_pipeline", "to_stages"]
 
 
-# ---- the residuals one stage keeps between F and B ------------------------------------
-
-class _Residuals:
-    """What F keeps for B and W. Without recompute: the leaves of the pytree jax.vjp
-    returns, minus the parameters it was taken with respect to (B has those anyway; for a
-    `layers` stage, each layer's own, so no weight is stored); with recompute: the input."""
-
-    def __init__(self, stage_fn, recompute: bool):
-        self.recompute = recompute
-        if isinstance(stage_fn, layers):
-            self.split, self.fn = unstack, stage_fn.apply
-            self.merge = lambda grads: jax.tree.map(lambda *a: jnp.stack(a), *grads)
-        else:
-            self.split, self.fn, self.merge = (lambda p: p), stage_fn, (lambda g: g)
-
-    def learn(self, split, x):
-        """Trace F once (inside shard_map, with the types the branches will see) to learn
-        the pytree jax.vjp returns and the shapes of the stored leaves."""
-        self.shapes = jax.eval_shape(lambda: self.forward(split, x, learn=True)[1])
-
-    def forward(self, split, x, learn: bool = False):
-        """(y, stored leaves); `split` is self.split(stage params)."""
-        if self.recompute:
-            return self.fn(split, x), [x]
-        y, vjp_fn = jax.vjp(self.fn, split, x)
-        leaves, treedef = jax.tree.flatten(vjp_fn)
-        param_ids = {id(a): j for j, a in enumerate(jax.tree.leaves(split))}
-        layout = [("p", param_ids[id(a)]) if id(a) in param_ids
-                  else ("s", None) if isinstance(a, jax.core.Tracer) else ("c", a) for a in leaves]
-        if learn:
-            self.treedef, self.layout = treedef, layout
-        return y, [a for a, (kind, _) in zip(leaves, layout) if kind == "s"]
-
-    def pullback(self, split, stored) -> Callable:
-        """g -> (d params, d x): the stage's vjp at F's point, rebuilt from the stored leaves."""
-        if self.recompute:
-            vjp_fn = jax.vjp(self.fn, split, stored[0])[1]
-        else:
-            params, stored = jax.tree.leaves(split), iter(stored)
-            vjp_fn = jax.tree.unflatten(self.treedef, [params[j] if kind == "p" else next(stored)
-                                                       if kind == "s" else j for kind, j in self.layout])
-
-        def apply(g):
-            d_split, dx = vjp_fn(g)
-            return self.merge(d_split), dx
-        return apply
-
-
-# ---- the schedule-driven program -------------------------------------------------------
-
-def _step_program(plan, loss_fn, residuals: _Residuals, axes, fill, loss_dtype, dp, input_grads):
-    """The per-device program: (stage params [v, Lc, ...], inputs [m, mb, ...], targets) ->
-    (loss, grads [v, Lc, ...], dx [m, mb, ...]), run inside shard_map."""
-    s = plan.schedule
-    m, v, split = s.microbatches, s.chunks, s.split_backward
-    scale = m * dp  # the batch's loss is the mean of m x dp microbatch losses
-    table = jnp.asarray(plan.table)
-
-    def program(params, inputs, targets):
-        # Typed varying over dp too, or the vjp of every B would all-reduce the weight
-        # gradient over dp (the transpose of the implicit pvary); it is summed once, at the end.
-        params = varying(params, axes)
-        me = jax.lax.axis_index(PP)
-        act = jax.ShapeDtypeStruct(inputs.shape[1:], inputs.dtype)
-        buf = lambda n, a: jnp.full((n + 1, *a.shape), fill if jnp.issubdtype(a.dtype, jnp.inexact) else 0, a.dtype)
-        carry = dict(
-            x=buf(plan.n_x, act), g=buf(plan.n_g, act),
-            gw=buf(plan.n_res, act) if split else None,  # output gradients kept from B for W
-            grads=jax.tree.map(jnp.zeros_like, params),
-            dx=jnp.full((m, *act.shape), fill, act.dtype) if input_grads else None, loss=jnp.zeros((), loss_dtype))
-        # Each chunk's parameters (each layer's, for a `layers` stage) sliced once, here:
-        # sliced inside a branch, XLA would copy the weights at every step.
-        chunks = [residuals.split(jax.tree.map(lambda a: a[c], params)) for c in range(v)]
-        residuals.learn(chunks[0], varying(jnp.zeros(act.shape, act.dtype), axes))
-        carry = varying(dict(carry, res=[buf(plan.n_res, a) for a in residuals.shapes]), axes)
-
-        zero_grads = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), params)
-
-        def forward_branch(kind, c):
-            def run(x_in, target):
-                o = dict(out=x_in, res=[jnp.zeros(a.shape, a.dtype) for a in residuals.shapes],
-                         loss=jnp.zeros((), loss_dtype))
-                if kind != "idle":
-                    o["out"], o["res"] = residuals.forward(chunks[c], x_in)
-                if kind == "F_last":
-                    loss, dy = jax.value_and_grad(loss_fn)(o["out"], target)
-                    o["out"], o["loss"] = (dy / scale).astype(dy.dtype), (loss / scale).astype(loss_dtype)
-                return varying(o, axes)
-            return run
-
-        def backward_branch(kind, c):
-            def run(g_in, res_in, gw_in):
-                o = dict(out=g_in, grads=zero_grads())
-                if kind != "idle":
-                    d_params, dx = residuals.pullback(chunks[c], res_in)(gw_in if kind == "W" else g_in)
-                    if kind == "B":
-                        o["out"] = dx
-                    if kind == "W" or not split:
-                        o["grads"] = d_params
-                return varying(o, axes)
-            return run
-
-        f_branches = [forward_branch(kind, c) for kind, c in plan.f_branches]
-        b_branches = [backward_branch(kind, c) for kind, c in plan.b_branches]
-
-        def step(carry, row, sends: frozenset):
-            e = row[me]
-            get = lambda name: e[FIELD[name]]
-            c = dict(carry)
-            # backward lane (B or W) first: it may free the residual slot this step's F takes
-            g_in = carry["g"][get("g_read")]
-            b = jax.lax.switch(get("b_branch"), b_branches, g_in, [r[get("res_read")] for r in carry["res"]],
-                               carry["gw"][get("res_read")] if split else g_in)
-            c["grads"] = jax.tree.map(lambda g, d: g.at[get("b_chunk")].add(d), carry["grads"], b["grads"])
-            if split:
-                c["gw"] = carry["gw"].at[get("gw_write")].set(g_in)
-            if input_grads:  # dx is returned as it stands (no trash slot): row 0 rewritten when idle
-                j = jnp.minimum(get("dx_write"), m - 1)
-                c["dx"] = carry["dx"].at[j].set(jnp.where(get("dx_write") < m, b["out"], carry["dx"][j]))
-            # forward lane
-            x_in = jnp.where(get("from_batch") > 0, inputs[get("f_microbatch")], carry["x"][get("x_read")])
-            f = jax.lax.switch(get("f_branch"), f_branches, x_in, targets[get("f_microbatch")])
-            c["loss"] = carry["loss"] + f["loss"]
-            c["res"] = [r.at[get("res_write")].set(new) for r, new in zip(carry["res"], f["res"])]
-            # every lane's output to where it is consumed: here, or one device over
-            outs = {"F": f["out"], "B": b["out"]}
-            for lane, direction in sorted(sends):
-                ch = "from_left" if direction == "right" else "from_right"
-                received = jax.lax.ppermute(outs[lane], PP, plan.pairs[lane, direction])
-                for buf in ("x", "g"):
-                    if f"{lane}_{ch}_{buf}" in plan.channels:
-                        c[buf] = c[buf].at[get(f"{lane}_{ch}_{buf}")].set(received)
-            for lane in LANES:
-                for buf in ("x", "g"):
-                    if f"{lane}_local_{buf}" in plan.channels:
-                        c[buf] = c[buf].at[get(f"{lane}_local_{buf}")].set(outs[lane])
-            return c, None
-
-        for start, stop, sends in plan.segments:
-            carry, _ = jax.lax.scan(functools.partial(step, sends=sends), carry, table[start:stop])
-        return carry["loss"], carry["grads"], carry["dx"]
-
-    return program
-
-
 class Pipeline(NamedTuple):
     """A compiled-ready pipeline step for one schedule, mesh and set of shapes: `step` maps
-    (stage params [p, v, Lc, ...] sharded over pp, inputs, targets) to (loss per pp
-    device, grads in the stage layout, input gradients per pp device); `plan` its tables."""
+    (stage params [p, v, Lc, ...] sharded over pp, inputs, targets, first params, last
+    params) to (loss per pp device, grads in the stage layout, input gradients per pp
+    device, first- and last-stage grads per pp device); `plan` its tables."""
     step: Callable
     plan: plan_lib.Plan
     schedule: Schedule
     mesh: Any
 
 
-def pipeline(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn: Callable = mse,
-             recompute: bool = False, bubble_fill: float = 0.0, input_grads: bool = True) -> Pipeline:
-    """Check everything (ConfigError before compiling) and build the jitted step; `params`
-    and `batch` may be arrays or ShapeDtypeStructs (only their shapes are used)."""
-    n_layers, rows = validate(schedule, stage_fn, params, batch, mesh, loss_fn)
-    validate_options(recompute=recompute, input_grads=input_grads, bubble_fill=bubble_fill)
-    plan = plan_lib.plan(schedule)
-    p, v, m, dp = schedule.stages, schedule.chunks, schedule.microbatches, axis_size(mesh, DP)
-    inputs, targets = batch
-    stage_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct((n_layers // (p * v), *a.shape[1:]), a.dtype), params)
-    x = jax.ShapeDtypeStruct((rows, *jnp.shape(inputs)[1:]), jnp.result_type(inputs))
-    y = jax.eval_shape(stage_fn, stage_params, x)
-    if not isinstance(y, jax.ShapeDtypeStruct) or (y.shape, y.dtype) != (x.shape, x.dtype):
-        got = f"{y.shape} {y.dtype}" if isinstance(y, jax.ShapeDtypeStruct) else type(y).__name__
-        raise ConfigError(f"stage_fn maps a microbatch {x.shape} {x.dtype} to {got}: a "
-                          f"pipeline stage must keep the activation's shape and dtype")
-    residuals = _Residuals(stage_fn, recompute)
-    loss = jax.eval_shape(loss_fn, y, jax.ShapeDtypeStruct((rows, *jnp.shape(targets)[1:]), jnp.result_type(targets)))
-    if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
-        got = f"{loss.shape} {loss.dtype}" if isinstance(loss, jax.ShapeDtypeStruct) else type(loss).__name__
-        raise ConfigError(f"loss_fn(y, targets) gives {got}: it must be a floating scalar, the mean over the "
-                          "microbatch (e.g. jnp.mean(...))")
-    loss_dtype = loss.dtype
-    has_dp = dp > 1  # a dp axis of size 1 is left alone: XLA keeps collectives over one device
-    axes = (DP, PP) if has_dp else (PP,)
-    program = _step_program(plan, loss_fn, residuals, axes, bubble_fill, loss_dtype, dp if dp > 1 else 1,
-                            input_grads)
-    batch_spec = P(DP) if has_dp else P()
+def _staged(spec: P) -> P:
+    return P(PP, None, None, *spec)
 
-    def local(params, inputs, targets):
+
+def pipeline(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn: Callable = mse,
+             recompute: bool = False, bubble_fill: float = 0.0, input_grads: bool | None = None,
+             param_specs=None, batch_spec: P | None = None, first_fn: Callable | None = None,
+             first_params=None, first_specs=None, last_params=None, last_specs=None) -> Pipeline:
+    """Check everything (ConfigError before compiling) and build the jitted step; `params`,
+    `batch` and the first/last params may be arrays or ShapeDtypeStructs (only their
+    shapes are used)."""
+    v = validate(schedule, stage_fn, params, batch, mesh, loss_fn, batch_spec=batch_spec, first_fn=first_fn,
+                 param_specs=param_specs, first_params=first_params, first_specs=first_specs,
+                 last_params=last_params, last_specs=last_specs, input_grads=input_grads)
+    validate_options(recompute=recompute, bubble_fill=bubble_fill)
+    plan = plan_lib.plan(schedule)
+    p, chunks, m = schedule.stages, schedule.chunks, schedule.microbatches
+    has_last = last_params is not None
+    loss_dtype = check_shapes(v, stage_fn, loss_fn, first_fn, has_last)
+    depth = v.n_layers // (p * chunks)
+    passes = (passes_lib.Stack(stage_fn.layer_fn, depth, recompute) if isinstance(stage_fn, layers)
+              else passes_lib.Whole(stage_fn, recompute))
+    shards = math.prod(axis_size(mesh, a) for a in v.batch_axes)
+    program = Program(plan=plan, passes=passes, loss_fn=loss_fn, first_fn=first_fn, last_params=has_last,
+                      axes=(PP, *v.batch_axes), scale=m * shards, fill=bubble_fill, loss_dtype=loss_dtype,
+                      input_grads=v.input_grads)
+
+    def reduce(tree, specs):
+        """Sum each leaf over the batch axes its spec does not split (once, at the end)."""
+        def one(a, spec):
+            over = tuple(x for x in v.batch_axes if x not in spec_axes(spec))
+            return jax.lax.psum(a, over) if over else a
+        return jax.tree.map(one, tree, specs)
+
+    def local(params, inputs, targets, first_params, last_params):
         params = jax.tree.map(lambda a: a[0], params)                 # [v, Lc, ...]
         split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])  # [m, mb, ...]
-        loss, grads, dx = program(params, split(inputs), split(targets))
-        if has_dp:
-            loss, grads = jax.lax.psum((loss, grads), DP)
-        dx = dx.reshape(-1, *dx.shape[2:])[None] if input_grads else None
-        return loss[None], jax.tree.map(lambda a: a[None], grads), dx
+        loss, grads, dx, g_first, g_last = program(params, split(inputs), split(targets), first_params,
+                                                   last_params)
+        loss = jax.lax.psum(loss, v.batch_axes) if v.batch_axes else loss
+        grads, g_first, g_last = (reduce(grads, v.param_specs), reduce(g_first, v.first_specs),
+                                  reduce(g_last, v.last_specs))
+        dx = dx.reshape(-1, *dx.shape[2:])[None] if v.input_grads else None
+        lead = lambda t: jax.tree.map(lambda a: a[None], t)
+        return loss[None], lead(grads), dx, lead(g_first), lead(g_last)
 
-    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(PP), batch_spec, batch_spec),
-                                 out_specs=(P(PP), P(PP), (P(PP, DP) if has_dp else P(PP)) if input_grads else None)))
+    staged = jax.tree.map(_staged, v.param_specs)
+    edge = lambda specs: None if specs is None else jax.tree.map(lambda s: P(PP, *s), specs)
+    in_specs = (staged, v.in_spec, v.target_spec, v.first_specs, v.last_specs)
+    out_specs = (P(PP), staged, P(PP, *v.in_spec) if v.input_grads else None, edge(v.first_specs),
+                 edge(v.last_specs))
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
     return Pipeline(step=step, plan=plan, schedule=schedule, mesh=mesh)
 
 
+# ---- the cache: one built step per request, as jax.jit keeps one per signature ----------
+
+_CACHE: collections.OrderedDict = collections.OrderedDict()
+CACHE_SIZE = 32
+
+
+def _signature(tree) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(jnp.shape(a)), str(jnp.result_type(a))) for a in leaves)
+
+
+def _key(schedule, stage_fn, params, batch, mesh, options: dict) -> tuple:
+    s = schedule
+    table = (s.name, s.stages, s.microbatches, s.chunks, s.layout, s.split_backward,
+             tuple(sorted(s.costs.items())), tuple(tuple(row) for row in s.actions))
+    specs = {k: jax.tree.flatten(options[k], is_leaf=lambda x: isinstance(x, P)) for k in
+             ("param_specs", "first_specs", "last_specs", "batch_spec") if options.get(k) is not None}
+    arrays = (_signature(params), _signature(batch), _signature(options.get("first_params")),
+              _signature(options.get("last_params")))
+    plain = tuple((k, repr(val) if k == "bubble_fill" else val) for k, val in sorted(options.items())
+                  if k not in specs and k not in ("first_params", "last_params"))
+    return (table, stage_fn, arrays, mesh, plain, tuple((k, tuple(v[0]), v[1]) for k, v in sorted(specs.items())))
+
+
 def run(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn: Callable = mse,
-        recompute: bool = False, bubble_fill: float = 0.0, input_grads: bool = True) -> tuple[jax.Array, Grads]:
-    """Run one training step's forward and backward with `schedule` on `mesh` (axes pp, and
-    optionally dp): (loss, Grads(params, inputs)), equal to the unsharded model's. Each call
-    builds and compiles the step; in a loop, build it once with `pipeline(...)` and call
-    `run_pipeline(pipe, params, batch)`.
+        recompute: bool = False, bubble_fill: float = 0.0, input_grads: bool | None = None, param_specs=None,
+        batch_spec: P | None = None, first_fn: Callable | None = None, first_params=None, first_specs=None,
+        last_params=None, last_specs=None) -> tuple[jax.Array, Grads]:
+    """Run one training step's forward and backward with `schedule` on `mesh` (axis pp,
+    and any others): (loss, Grads(params, inputs, first, last)), equal to the unsharded
+    model's. The built step is cached (by schedule, functions, shapes, dtypes, mesh and
+    options), so a loop compiles once.
 
-    batch = (inputs [B, ...], targets [B, ...]); B splits over dp, then into microbatches.
-    recompute: keep only each stage's input between F and B and run the forward again in B.
+    batch = (inputs [B, ...], targets [B, ...]); B splits over batch_spec's first entry
+    (dp), then into microbatches.
+    recompute: keep only each stage's input between F and B and run the forward again.
     bubble_fill: the value unused buffer slots start with (NaN checks nothing reads them).
-    input_grads: also return d loss / d inputs (False: Grads.inputs is None, and the m
-    microbatches' input gradients take no memory)."""
-    pipe = pipeline(schedule, stage_fn, params, batch, mesh=mesh, loss_fn=loss_fn,
-                    recompute=recompute, bubble_fill=bubble_fill, input_grads=input_grads)
-    return run_pipeline(pipe, params, batch)
+    input_grads: also return d loss / d inputs (default: when they are floating point).
+    param_specs, first_specs, last_specs: PartitionSpecs over the non-pp axes (param_specs
+    for one layer, without the layer axis); default replicated.
+    first_fn, first_params, last_params: see the module docstring."""
+    options = dict(loss_fn=loss_fn, recompute=recompute, bubble_fill=bubble_fill, input_grads=input_grads,
+                   param_specs=param_specs, batch_spec=batch_spec, first_fn=first_fn, first_params=first_params,
+                   first_specs=first_specs, last_params=last_params, last_specs=last_specs)
+    try:
+        key = _key(schedule, stage_fn, params, batch, mesh, options)
+        hash(key)
+    except (TypeError, ValueError, AttributeError):
+        key = None  # something unhashable or malformed: pipeline() says what is wrong
+    pipe = _CACHE.get(key) if key is not None else None
+    if pipe is None:
+        pipe = pipeline(schedule, stage_fn, params, batch, mesh=mesh, **options)
+        if key is not None:
+            _CACHE[key] = pipe
+            while len(_CACHE) > CACHE_SIZE:
+                _CACHE.popitem(last=False)
+    else:
+        _CACHE.move_to_end(key)
+    return run_pipeline(pipe, params, batch, first_params=first_params, last_params=last_params)
 
 
-def run_pipeline(pipe: Pipeline, params, batch) -> tuple[jax.Array, Grads]:
+def run_pipeline(pipe: Pipeline, params, batch, *, first_params=None, last_params=None) -> tuple[jax.Array, Grads]:
     """Run a built Pipeline on global params ([L, ...] leaves) and batch: (loss, Grads)."""
-    loss, grads, dx = pipe.step(to_stages(params, pipe.schedule), *batch)
-    # the loss is on the last stage's device, zero elsewhere; the input gradient on device 0
-    return loss.sum(), Grads(params=from_stages(grads, pipe.schedule), inputs=None if dx is None else dx[0])
+    s = pipe.schedule
+    loss, grads, dx, g_first, g_last = pipe.step(to_stages(params, s), *batch, first_params, last_params)
+    # the loss is on the last stage's device, zero elsewhere; the input gradient on device 0;
+    # the first- and last-stage gradients on the devices holding stages 0 and S-1
+    owner = lambda tree, stage: jax.tree.map(lambda a: a[s.device_of(stage)[0]], tree)
+    return loss.sum(), Grads(params=from_stages(grads, s), inputs=None if dx is None else dx[0],
+                             first=owner(g_first, 0), last=owner(g_last, s.virtual_stages - 1))
+
+
+def cache_clear() -> None:
+    """Forget every built step."""
+    _CACHE.clear()
+

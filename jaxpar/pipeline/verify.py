@@ -95,7 +95,7 @@ def compare(name: str, stages: int, microbatches: int, *, dp: int = 1, kind: str
     stage_fn, params, batch = model(kind, n_layers, rows, dtype)
     m = mesh_lib.make_mesh(dp=dp, pp=stages, devices=jax.devices()[:dp * stages])
     pipe = runtime.pipeline(s, stage_fn, params, batch, mesh=m, recompute=recompute, bubble_fill=bubble_fill)
-    compiled = pipe.step.lower(runtime.to_stages(params, s), *batch).compile()
+    compiled = pipe.step.lower(runtime.to_stages(params, s), *batch, None, None).compile()
     loss, grads = runtime.run_pipeline(pipe._replace(step=compiled), params, batch)
     ref_loss, ref = stage.unsharded(stage_fn, params, batch)
     errors, rule, within = compare_trees({"loss": loss, "inputs": grads.inputs, "params": grads.params},
@@ -103,7 +103,7 @@ def compare(name: str, stages: int, microbatches: int, *, dp: int = 1, kind: str
     scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves((ref_loss, ref)))
     return Comparison(name=f"{name} p={stages} m={microbatches}" + (f" v={s.chunks}" if s.chunks > 1 else ""),
                       mesh=mesh_lib.describe(m), errors=errors, relative=max(errors.values()) / scale,
-                      within=within, tolerance=rule, measured=compiled_collectives(compiled),
+                      within=within, tolerance=rule, measured=compiled_collectives(compiled, pipe.plan.runs()),
                       expected=expected_collectives(pipe, params, batch), seconds=time.perf_counter() - start)
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
 
 from jaxpar import comms
 from jaxpar.errors import ConfigError
@@ -105,7 +106,7 @@ def program_key(s: schedule.Schedule) -> tuple:
     with equal keys compile to the same program."""
     plan = plan_lib.plan(s)
     return (s.stages, s.microbatches, s.chunks, s.layout, s.split_backward, plan.table.shape, plan.table.tobytes(),
-            plan.segments, tuple(sorted(plan.pairs.items())), plan.f_branches, plan.b_branches, plan.channels,
+            plan.sends, plan.flags.tobytes(), tuple(sorted(plan.pairs.items())), plan.channels,
             plan.n_x, plan.n_g, plan.n_res)
 
 
@@ -258,7 +259,7 @@ def test_gpipe_baseline_nan_bubbles_and_collectives(p, m):
              for fill in (math.nan, 0.0)}
     pipe = pipes[math.nan]
     assert pipe.schedule.stages == p and pipe.schedule.microbatches == m
-    stats = comms.nonzero(comms.collective_stats(pipe.step, runtime.to_stages(params, pipe.schedule), *batch))
+    stats = comms.nonzero(comms.collective_stats(pipe.step, runtime.to_stages(params, pipe.schedule), *batch, None, None))
     n = 2 * (m + p - 1)
     assert stats == {"collective-permute": (n, n * act_bytes())}
     assert stats == formulas.baseline_collectives(stages=p, microbatches=m, batch_size=batch[0].shape[0],
@@ -319,7 +320,7 @@ def no_compile(monkeypatch):
     """Fail the test if the runtime gets as far as building its program."""
     def refuse(*args, **kwargs):
         raise AssertionError("the runtime built its program before rejecting the input")
-    monkeypatch.setattr(runtime, "_step_program", refuse)
+    monkeypatch.setattr(runtime, "Program", refuse)
     monkeypatch.setattr(runtime.jax, "shard_map", refuse)
 
 
@@ -352,11 +353,33 @@ def test_schedule_for_another_p(no_compile):
         _bad_run(p=2, mesh=pp_mesh(4))
 
 
-def test_mesh_with_tp_axis(no_compile):
-    with pytest.raises(ValueError, match=r"\{'tp': 2\}"):
-        _bad_run(p=2, mesh=pp_mesh(2, tp=2))
+def test_mesh_axes_and_specs_are_checked(no_compile):
+    """Any mesh axis may be there (a stage is per-shard code); the specs that name them
+    are checked against the mesh and the arrays."""
     with pytest.raises(ValueError, match=r"needs a mesh with a 'pp' axis; got axes \{'dp': 2\}"):
         _bad_run(p=2, mesh=mesh_lib.make_mesh(dp=2, devices=jax.devices()[:2]))
+    s = schedule.make("1f1b", stages=2, microbatches=2)
+    fn, params, batch = verify.model("mlp", 4, 4)
+    mm = pp_mesh(2, tp=2)
+    run = lambda **kw: runtime.run(s, fn, params, batch, mesh=mm, **kw)
+    cases = [
+        (dict(param_specs={"w": P(None, "cp"), "b": P()}), r"param_specs: the spec .* names axis 'cp'; the mesh has"),
+        (dict(param_specs={"w": P("pp"), "b": P()}), r"names axis 'pp'.*pp is the pipeline's own"),
+        (dict(param_specs={"w": P()}), r"param_specs has the structure .*: give one PartitionSpec per array"),
+        (dict(param_specs={"w": P(), "b": P(None, "tp")}), r"names 2 dimensions, the array has 1 after its layer axis"),
+        (dict(param_specs={"w": "tp", "b": P()}), r"the spec 'tp' is a str, not a jax.sharding.PartitionSpec"),
+        (dict(batch_spec=P("tp", None, None)), r"batch_spec for the inputs: the spec .* names 3 dimensions"),
+        (dict(first_params={"e": jnp.ones(3)}), r"first_params given without first_fn"),
+        (dict(first_fn=lambda p, x: x, first_params={"e": jnp.ones(3)}, input_grads="no"),
+         r"input_grads='no' is a str: give True or False"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            run(**kw)
+    ids = jnp.zeros((4, 8), jnp.int32)
+    with pytest.raises(ConfigError, match=r"input_grads=True but the inputs are int32: there is no gradient"):
+        runtime.run(s, fn, params, (ids, batch[1]), mesh=mm, first_fn=lambda p, x: x, first_params={},
+                    input_grads=True)
 
 
 def test_stage_fn_changing_the_activation(no_compile):
@@ -390,7 +413,7 @@ def test_more_bad_input_is_refused_before_compiling(no_compile):
         (dict(fn=None), r"stage_fn=None is not callable"),
         (dict(s="1f1b"), r"schedule is a str, not a Schedule.*schedule.make"),
         (dict(recompute="yes"), r"recompute='yes' is a str: give True or False"),
-        (dict(input_grads=None), r"input_grads=None is a NoneType: give True or False"),
+        (dict(input_grads="yes"), r"input_grads='yes' is a str: give True or False"),
         (dict(bubble_fill="nan"), r"bubble_fill='nan': give a number"),
     ]
     for kw, match in cases:

@@ -1,0 +1,198 @@
+"""The per-device pipeline program: a Plan executed by one `lax.scan` (lecture 2.4).
+
+`Program(...)(params, inputs, targets, first_params, last_params)` runs inside a
+shard_map over every mesh axis; `runtime.pipeline` builds that shard_map, and a composed
+training step may call the program inside its own. At each step a device reads its row
+of the plan's table, indexed by `lax.axis_index("pp")`, and runs two lanes, each a
+`lax.switch`:
+  backward lane  idle; B: the pullback of the output gradient from the residuals chunk
+                 c's F kept (`passes.py`): the input gradient goes to the previous stage,
+                 the weight gradient (unless the schedule splits the backward) is added in
+                 place to the accumulator; on stage 0, the first-stage function's vjp too
+                 (its parameters' gradient, and d loss / d inputs); W: the weight gradient
+                 alone, from the output gradients a split B kept;
+  forward lane   idle; F: stage 0 reads its microbatch (through the first-stage function,
+                 e.g. the embedding of token ids), the others their received activation;
+                 the stage runs under jax.vjp and its residuals go to a slot; on the last
+                 stage the loss (with its own parameters, e.g. the LM head) and its
+                 gradient, which waits here for this stage's B.
+Then each channel's `ppermute` runs where the step's flags say (`plan.py`), and every
+lane's output lands in the slot the table names. Buffers, residuals and accumulators
+are scan carries updated in place; idle branches pass them through, so nothing
+weight-sized is built or selected per step.
+
+Typing: activations are varying over pp and the axes the batch is split over (`axes`);
+parameters are typed varying over the same, so that no B all-reduces a weight gradient
+(the transpose of an implicit pvary): the caller sums them once, at the end. A stage's
+own collectives (tensor parallelism over tp, ...) are its business.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.collectives import varying
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import PP
+from jaxpar.pipeline import plan as plan_lib
+from jaxpar.pipeline.plan import F as FIELD
+from jaxpar.pipeline.plan import LANES
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Program:
+    """plan: the tables; passes: a `passes.Stack` or `passes.Whole`; loss_fn(y, t) or, with
+    `last_params`, loss_fn(last_params, y, t); first_fn(first_params, inputs) -> the first
+    stage's activation, or None; axes: the axes activations vary over; scale: microbatches
+    x batch shards (the loss is their mean); fill: what unused slots start with."""
+
+    plan: plan_lib.Plan
+    passes: object
+    loss_fn: Callable
+    first_fn: Callable | None
+    last_params: bool
+    axes: tuple[str, ...]
+    scale: int
+    fill: float
+    loss_dtype: object
+    input_grads: bool
+
+    def activation(self, first_params, inputs) -> jax.ShapeDtypeStruct:
+        """The shape of one microbatch's activation (inside shard_map)."""
+        if self.first_fn is None:
+            return jax.ShapeDtypeStruct(inputs.shape[1:], inputs.dtype)
+        return jax.eval_shape(self.first_fn, first_params, inputs[0])
+
+    def __call__(self, params, inputs, targets, first_params=None, last_params=None):
+        """params [v, Lc, ...], inputs / targets [m, mb, ...] -> (loss, grads [v, Lc, ...],
+        d inputs [m, mb, ...] or None, first-stage grads, last-stage grads)."""
+        pl, passes, axes = self.plan, self.passes, self.axes
+        s = pl.schedule
+        m, split, scale = s.microbatches, s.split_backward, self.scale
+        table, flags = jnp.asarray(pl.table), jnp.asarray(pl.flags)
+        me = jax.lax.axis_index(PP)
+        params, first_params, last_params = varying((params, first_params, last_params), axes)
+        act = self.activation(first_params, inputs)
+        self._check_stage(params, act)
+        passes.learn(params, varying(jnp.zeros(act.shape, act.dtype), axes))
+        fill = lambda a: self.fill if jnp.issubdtype(a.dtype, jnp.inexact) else 0
+        buf = lambda n, a: jnp.full((n + 1, *a.shape), fill(a), a.dtype)
+        zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+        d_inputs = self.input_grads
+        carry = varying(dict(
+            x=buf(pl.n_x, act), g=buf(pl.n_g, act), gw=buf(pl.n_res, passes.kept) if split else None,
+            res=[buf(pl.n_res, a) for a in passes.stored], grads=zeros(params), first=zeros(first_params),
+            last=zeros(last_params), dx=jnp.full(inputs.shape, fill(inputs), inputs.dtype) if d_inputs else None,
+            loss=jnp.zeros((), self.loss_dtype)), axes)
+
+        def first(fp, ids):
+            return ids if self.first_fn is None else self.first_fn(fp, ids)
+
+        def first_backward(fp, ids, g, f_acc):
+            if self.first_fn is None:
+                return g, f_acc
+            primals = (fp, ids) if d_inputs else (fp,)
+            d = jax.vjp(lambda *a: self.first_fn(*a) if d_inputs else self.first_fn(a[0], ids), *primals)[1](g)
+            f_acc = jax.tree.map(jnp.add, f_acc, d[0])
+            return (d[1] if d_inputs else jnp.zeros(inputs.shape[1:], inputs.dtype)), f_acc
+
+        def loss_and_grad(y, target, l_acc):
+            if self.last_params:
+                loss, (d_last, dy) = jax.value_and_grad(self.loss_fn, argnums=(0, 1))(last_params, y, target)
+                l_acc = jax.tree.map(lambda a, d: a + d / scale, l_acc, d_last)
+            else:
+                loss, dy = jax.value_and_grad(self.loss_fn)(y, target)
+            return (dy / scale).astype(y.dtype), (loss / scale).astype(self.loss_dtype), l_acc
+
+        def f_idle(x_in, ids, target, res, e, l_acc):
+            return x_in, res, jnp.zeros((), self.loss_dtype), l_acc
+
+        def f_run(x_in, ids, target, res, e, l_acc):
+            x = jax.lax.cond(e[FIELD["from_batch"]] > 0, lambda: varying(first(first_params, ids), axes),
+                             lambda: x_in)
+            y, stored = passes.forward(params, e[FIELD["f_chunk"]], x)
+            res = [r.at[e[FIELD["res_write"]]].set(new) for r, new in zip(res, stored)]
+            last = e[FIELD["f_branch"]] == plan_lib.F_BRANCHES.index("F_last")
+            out, loss, l_acc = jax.lax.cond(last, lambda: varying(loss_and_grad(y, target, l_acc), axes),
+                                            lambda: varying((y, jnp.zeros((), self.loss_dtype), l_acc), axes))
+            return varying((out, res, loss, l_acc), axes)
+
+        def b_idle(g_in, stored, kept, acc, f_acc, ids, e):
+            return g_in, acc, f_acc, jnp.zeros(passes.kept.shape, passes.kept.dtype), jnp.zeros(
+                inputs.shape[1:], inputs.dtype)
+
+        def b_run(g_in, stored, kept, acc, f_acc, ids, e):
+            dx, acc, keep = passes.backward(params, e[FIELD["b_chunk"]], stored, g_in, acc, weights=not split)
+            on_first = e[FIELD["dx_write"]] < m
+            d_in, f_acc = jax.lax.cond(
+                on_first, lambda: varying(first_backward(first_params, ids, dx, f_acc), axes),
+                lambda: varying((jnp.zeros(inputs.shape[1:], inputs.dtype), f_acc), axes))
+            return varying((dx, acc, f_acc, keep, d_in), axes)
+
+        def b_weight(g_in, stored, kept, acc, f_acc, ids, e):
+            acc = passes.weight(params, e[FIELD["b_chunk"]], stored, kept, acc)
+            return varying(b_idle(g_in, stored, kept, acc, f_acc, ids, e), axes)
+
+        f_branches = [lambda *a: varying(f_idle(*a), axes), f_run]
+        b_branches = [lambda *a: varying(b_idle(*a), axes), b_run] + ([b_weight] if split else [])
+
+        def step(carry, xs):
+            row, flag = xs
+            e = row[me]
+            get = lambda name: e[FIELD[name]]
+            c = dict(carry)
+            # backward lane (B or W) first: it may free the residual slot this step's F takes
+            slot = get("res_read")
+            b_out, c["grads"], c["first"], keep, d_in = jax.lax.switch(
+                get("b_branch"), b_branches, carry["g"][get("g_read")], [r[slot] for r in carry["res"]],
+                carry["gw"][slot] if split else None, carry["grads"], carry["first"],
+                inputs[get("b_microbatch")], e)
+            if split:
+                c["gw"] = carry["gw"].at[get("gw_write")].set(keep)
+            if d_inputs:  # dx is returned as it stands (no trash slot): row m-1 rewritten when idle
+                j = jnp.minimum(get("dx_write"), m - 1)
+                c["dx"] = carry["dx"].at[j].set(jnp.where(get("dx_write") < m, d_in, carry["dx"][j]))
+            # forward lane
+            i = get("f_microbatch")
+            f_out, c["res"], loss, c["last"] = jax.lax.switch(
+                jnp.minimum(get("f_branch"), 1), f_branches, carry["x"][get("x_read")], inputs[i], targets[i],
+                carry["res"], e, carry["last"])
+            c["loss"] = carry["loss"] + loss
+            # every lane's output to where it is consumed: here, or one device over
+            outs = {"F": f_out, "B": b_out}
+            for j, (lane, direction) in enumerate(pl.sends):
+                ch = "from_left" if direction == "right" else "from_right"
+                with jax.named_scope(plan_lib.scope(lane, direction)):
+                    received = jax.lax.cond(
+                        flag[j], lambda v, p=pl.pairs[lane, direction]: jax.lax.ppermute(v, PP, p),
+                        lambda v: v, outs[lane])
+                for name in ("x", "g"):
+                    if f"{lane}_{ch}_{name}" in pl.channels:
+                        c[name] = c[name].at[get(f"{lane}_{ch}_{name}")].set(received)
+            for lane in LANES:
+                for name in ("x", "g"):
+                    if f"{lane}_local_{name}" in pl.channels:
+                        c[name] = c[name].at[get(f"{lane}_local_{name}")].set(outs[lane])
+            return c, None
+
+        if pl.steps:
+            carry, _ = jax.lax.scan(step, carry, (table, flags))
+        return carry["loss"], carry["grads"], carry["dx"], carry["first"], carry["last"]
+
+    def _check_stage(self, params, act):
+        """A stage must keep the activation's shape, dtype and sharding type (traced here,
+        inside shard_map, where its collectives are bound)."""
+        x = varying(jnp.zeros(act.shape, act.dtype), self.axes)
+        y = jax.eval_shape(lambda: self.passes.forward(params, 0, x)[0])
+        if (y.shape, y.dtype) != (act.shape, act.dtype):
+            raise ConfigError(f"stage_fn maps a microbatch {act.shape} {act.dtype} to {y.shape} {y.dtype}: a "
+                              f"pipeline stage must keep the activation's shape and dtype")
+        extra = set(getattr(jax.typeof(y), "vma", ())) - set(self.axes)
+        if extra:
+            raise ConfigError(f"stage_fn's output varies over {sorted(extra)} where its input does not: a "
+                              "per-shard stage returns its activation laid out as it came in (sum partial "
+                              "results with psum, or split the batch over that axis with batch_spec)")

@@ -31,6 +31,7 @@ CHECKS: dict[str, str] = {
     "cp": "jaxpar.context.verify:check_cp",
     "ulysses": "jaxpar.context.verify:check_ulysses",
     "ep": "jaxpar.expert.verify:check_ep",
+    "pp-tp": "jaxpar.train.verify:check_pp_tp",
 }
 
 

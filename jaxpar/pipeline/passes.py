@@ -50,6 +50,17 @@ def add(acc, index: tuple, delta):
     return jax.tree.map(one, acc, delta)
 
 
+def shapes_and_axes(fn: Callable) -> tuple[list, list[tuple[str, ...]]]:
+    """(ShapeDtypeStructs of the list fn() returns, the axes each leaf varies over)."""
+    axes = []
+
+    def traced():
+        out = fn()
+        axes.extend(tuple(jax.typeof(a).manual_axis_type.varying) for a in out)
+        return out
+    return jax.eval_shape(traced), axes
+
+
 class _Vjp:
     """A function's vjp split into the leaves to store and the rest: the parameters it was
     taken at (not stored: B has them) and constants. A forward must be traced before a
@@ -83,7 +94,7 @@ class Stack:
     def learn(self, params, x):
         """Shapes of the stored residuals and of what a split B keeps for W."""
         jax.eval_shape(lambda: self._residuals(params, 0, x))
-        self.stored = jax.eval_shape(lambda: self.forward(params, 0, x)[1])
+        self.stored, self.stored_axes = shapes_and_axes(lambda: self.forward(params, 0, x)[1])
         self.kept = jax.ShapeDtypeStruct((self.depth, *x.shape), x.dtype)
 
     def _residuals(self, params, c, x):
@@ -131,7 +142,7 @@ class Whole:
 
     def learn(self, params, x):
         jax.eval_shape(lambda: self.vjp.forward(read(params, (0,)), x))
-        self.stored = jax.eval_shape(lambda: self.forward(params, 0, x)[1])
+        self.stored, self.stored_axes = shapes_and_axes(lambda: self.forward(params, 0, x)[1])
         self.kept = jax.ShapeDtypeStruct(x.shape, x.dtype)
 
     def forward(self, params, c, x):

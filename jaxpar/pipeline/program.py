@@ -41,6 +41,7 @@ from jaxpar.mesh import PP
 from jaxpar.pipeline import plan as plan_lib
 from jaxpar.pipeline.plan import F as FIELD
 from jaxpar.pipeline.plan import LANES
+from jaxpar.pipeline.passes import shapes_and_axes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -85,7 +86,8 @@ class Program:
         d_inputs = self.input_grads
         carry = varying(dict(
             x=buf(pl.n_x, act), g=buf(pl.n_g, act), gw=buf(pl.n_res, passes.kept) if split else None,
-            res=[buf(pl.n_res, a) for a in passes.stored], grads=zeros(params), first=zeros(first_params),
+            res=[varying(buf(pl.n_res, a), extra) for a, extra in zip(passes.stored, passes.stored_axes)],
+            grads=zeros(params), first=zeros(first_params),
             last=zeros(last_params), dx=jnp.full(inputs.shape, fill(inputs), inputs.dtype) if d_inputs else None,
             loss=jnp.zeros((), self.loss_dtype)), axes)
 
@@ -187,12 +189,18 @@ class Program:
         """A stage must keep the activation's shape, dtype and sharding type (traced here,
         inside shard_map, where its collectives are bound)."""
         x = varying(jnp.zeros(act.shape, act.dtype), self.axes)
-        y = jax.eval_shape(lambda: self.passes.forward(params, 0, x)[0])
+        varies = ("stage_fn's output varies over more axes than its input: a per-shard stage returns its "
+                  "activation laid out as it came in (sum partial results with psum, or split the batch over "
+                  "that axis with batch_spec)")
+        try:
+            (y,), (y_axes,) = shapes_and_axes(lambda: [self.passes.forward(params, 0, x)[0]])
+        except TypeError as e:
+            if "manual axis types do not match" in str(e):  # a layer's output, inside the layer scan
+                raise ConfigError(f"{varies}. JAX: {str(e).splitlines()[0]}") from None
+            raise
         if (y.shape, y.dtype) != (act.shape, act.dtype):
             raise ConfigError(f"stage_fn maps a microbatch {act.shape} {act.dtype} to {y.shape} {y.dtype}: a "
                               f"pipeline stage must keep the activation's shape and dtype")
-        extra = set(getattr(jax.typeof(y), "vma", ())) - set(self.axes)
+        extra = set(y_axes) - set(self.axes)
         if extra:
-            raise ConfigError(f"stage_fn's output varies over {sorted(extra)} where its input does not: a "
-                              "per-shard stage returns its activation laid out as it came in (sum partial "
-                              "results with psum, or split the batch over that axis with batch_spec)")
+            raise ConfigError(f"{varies}: over {sorted(extra)}")

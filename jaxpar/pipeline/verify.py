@@ -15,11 +15,12 @@ import time
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxpar import reference
 from jaxpar import mesh as mesh_lib
 from jaxpar.mesh import DP
-from jaxpar.pipeline import baseline, formulas, runtime, schedule, stage, viz
+from jaxpar.pipeline import baseline, formulas, modules, runtime, schedule, stage, viz
 from jaxpar.testing import Result, compare as compare_trees, compiled_collectives, max_abs_diff
 
 LECTURE_TIMELINES: dict[str, dict] = {
@@ -116,7 +117,49 @@ def check_runtime() -> list[Result]:
     return [compare("1f1b", p, 8, dp=dp).result("lecture MLP (8 layers, 2 per stage); NaN in bubbles"),
             compare("interleaved", p, 2 * p, chunks=2).result(),
             compare("zb-h2", p, p, kind="blocks", n_layers=p).result("reference blocks (GQA, SwiGLU), B/W split"),
-            compare("dualpipe-v", p, 2 * p, dp=dp).result("V layout: chunk 1 runs back up the devices")]
+            compare("dualpipe-v", p, 2 * p, dp=dp).result("V layout: chunk 1 runs back up the devices"),
+            check_nnx(p)]
+
+
+class _Block(nnx.Module):
+    """A user's own block (RMSNorm, MLP, residual), as a flax NNX module."""
+
+    def __init__(self, d: int, rngs: nnx.Rngs):
+        self.norm = nnx.RMSNorm(d, rngs=rngs)
+        self.up = nnx.Linear(d, 2 * d, rngs=rngs)
+        self.down = nnx.Linear(2 * d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+
+
+def check_nnx(p: int = 4, m: int = 4, d: int = 16) -> Result:
+    """An NNX block per layer (modules.nnx_layers) under 1F1B against the same modules run
+    unsharded and differentiated by nnx.value_and_grad: loss, dx and every Param."""
+    start = time.perf_counter()
+    s = schedule.make("1f1b", stages=p, microbatches=m)
+    blocks = [_Block(d, nnx.Rngs(i)) for i in range(2 * p)]
+    stage_fn, params = modules.nnx_layers(blocks)
+    x, t = stage.mlp_batch(2 * m, d)
+    msh = mesh_lib.make_mesh(pp=p, devices=jax.devices()[:p])
+    pipe = runtime.pipeline(s, stage_fn, params, (x, t), mesh=msh, bubble_fill=float("nan"))
+    compiled = pipe.step.lower(runtime.to_stages(params, s), x, t, None, None).compile()
+    loss, grads = runtime.run_pipeline(pipe._replace(step=compiled), params, (x, t))
+
+    def unsharded(blocks, x):
+        for b in blocks:
+            x = b(x)
+        return jnp.mean(jnp.square(x - t))
+    ref_loss, (ref_blocks, ref_x) = nnx.value_and_grad(unsharded, argnums=(0, 1))(nnx.List(blocks), x)
+    ref_params = [nnx.state(ref_blocks[j], nnx.Param) for j in range(len(blocks))]
+    errors, rule, within = compare_trees(
+        {"loss": loss, "inputs": grads.inputs, "params": [jax.tree.leaves(g) for g in modules.unstack(grads.params)]},
+        {"loss": ref_loss, "inputs": ref_x, "params": [jax.tree.leaves(g) for g in ref_params]})
+    measured = compiled_collectives(compiled, pipe.plan.runs())
+    expected = formulas.pipeline_collectives(schedule=s, batch_size=2 * m, features=d, dtype=jnp.float32)
+    return Result(name="pipeline 1f1b, flax NNX blocks", mesh=mesh_lib.describe(msh), errors=errors, tolerance=rule,
+                  measured={"step": measured}, expected={"step": expected}, passed=within and measured == expected,
+                  seconds=time.perf_counter() - start, note="nnx.split/merge per layer vs the modules unsharded")
 
 
 def gpipe_baseline_error(p: int = 4, m: int = 4, dp: int = 1) -> float:

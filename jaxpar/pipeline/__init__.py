@@ -8,7 +8,10 @@ any of them as one SPMD program.
     plan       a schedule as the integer tables the runtime indexes
     formulas   bubble fractions and the collectives of one step (pure Python)
     stage      what a stage is: layers(...), Grads, losses, the layer layout, the checks
-    runtime    run / pipeline / run_pipeline: the schedule-driven SPMD program
+    passes     one stage's F, B and W: layers scanned, weight gradients added in place
+    program    the per-device program: one lax.scan over the plan, sends as guarded ppermutes
+    runtime    run (cached) / pipeline / run_pipeline: the program in one shard_map over every axis
+    modules    nnx_layers: a stage from flax NNX modules
     baseline   the forward-only scanned pipeline differentiated by autodiff (GPipe)
     verify     against the lecture and the unsharded model (`jaxpar verify schedule|pp`)
 

@@ -97,10 +97,12 @@ class Program:
         def first_backward(fp, ids, g, f_acc):
             if self.first_fn is None:
                 return g, f_acc
-            primals = (fp, ids) if d_inputs else (fp,)
-            d = jax.vjp(lambda *a: self.first_fn(*a) if d_inputs else self.first_fn(a[0], ids), *primals)[1](g)
-            f_acc = jax.tree.map(jnp.add, f_acc, d[0])
-            return (d[1] if d_inputs else jnp.zeros(inputs.shape[1:], inputs.dtype)), f_acc
+            if d_inputs:   # d loss / d inputs through the first-stage function
+                d_fp, d_ids = jax.vjp(self.first_fn, fp, ids)[1](g)
+            else:          # token ids: no gradient
+                (d_fp,), d_ids = jax.vjp(lambda fp: self.first_fn(fp, ids), fp)[1](g), jnp.zeros(
+                    inputs.shape[1:], inputs.dtype)
+            return d_ids, jax.tree.map(jnp.add, f_acc, d_fp)
 
         def loss_and_grad(y, target, l_acc):
             if self.last_params:

@@ -467,7 +467,7 @@ def test_to_stages_round_trip_and_layout(name, p, m, chunks):
 def runtime_cases(draw):
     name = draw(st.sampled_from(schedule.KNOWN))
     p = draw(st.sampled_from([1, 2, 4]))
-    # the two smallest valid m: a larger m mostly lengthens the compile (more scan segments)
+    # the two smallest valid m (the program does not grow with m; the run does, a little)
     m = draw(st.sampled_from([m for m in range(1, 2 * p + 2) if rejection(name, p, m) is None][:2]))
     dp = draw(st.sampled_from([1, 2]))
     return name, p, m, dp

@@ -158,3 +158,25 @@ def test_nnx_layers_refuses_what_it_cannot_stack():
         modules.nnx_layers([Block(4, nnx.Rngs(0)), 3])
     with pytest.raises(ConfigError, match=r"blocks\[1\] is not built like blocks\[0\]"):
         modules.nnx_layers([Block(4, nnx.Rngs(0)), Block(8, nnx.Rngs(1))])
+
+
+@pytest.mark.parametrize("name,p,m", [("1f1b", 2, 2), ("dualpipe-v", 2, 3)])
+def test_first_and_last_stage_functions_with_their_own_params(name, p, m):
+    """A first-stage projection (float inputs: d loss / d inputs goes through it) and a
+    last-stage loss with its own head; under DualPipe-V both ends are on device 0."""
+    s = schedule.make(name, stages=p, microbatches=m)
+    params = stage.mlp_params(s.virtual_stages, WIDTH)
+    rng = np.random.default_rng(3)
+    first = {"w": jnp.asarray(rng.standard_normal((5, WIDTH)) / 3, jnp.float32)}
+    last = {"head": jnp.asarray(rng.standard_normal((WIDTH, 3)) / 3, jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((2 * m, 5)), jnp.float32)
+    t = jnp.asarray(rng.standard_normal((2 * m, 3)), jnp.float32)
+    first_fn = lambda fp, x: jnp.tanh(x @ fp["w"])
+    loss_fn = lambda lp, y, t: jnp.mean(jnp.square(y @ lp["head"] - t))
+    loss, grads = runtime.run(s, stage.mlp_stage, params, (x, t), mesh=pp_mesh(p), first_fn=first_fn,
+                              first_params=first, last_params=last, loss_fn=loss_fn, bubble_fill=float("nan"))
+
+    def whole(params, first, last, x):
+        return loss_fn(last, stage.mlp_stage(params, first_fn(first, x)), t)
+    ref_loss, ref = jax.value_and_grad(whole, argnums=(0, 1, 2, 3))(params, first, last, x)
+    assert_close((loss, grads.params, grads.first, grads.last, grads.inputs), (ref_loss, *ref))

@@ -121,7 +121,7 @@ def check_runtime() -> list[Result]:
             check_nnx(p)]
 
 
-class _Block(nnx.Module):
+class NnxBlock(nnx.Module):
     """A user's own block (RMSNorm, MLP, residual), as a flax NNX module."""
 
     def __init__(self, d: int, rngs: nnx.Rngs):
@@ -138,7 +138,7 @@ def check_nnx(p: int = 4, m: int = 4, d: int = 16) -> Result:
     unsharded and differentiated by nnx.value_and_grad: loss, dx and every Param."""
     start = time.perf_counter()
     s = schedule.make("1f1b", stages=p, microbatches=m)
-    blocks = [_Block(d, nnx.Rngs(i)) for i in range(2 * p)]
+    blocks = [NnxBlock(d, nnx.Rngs(i)) for i in range(2 * p)]
     stage_fn, params = modules.nnx_layers(blocks)
     x, t = stage.mlp_batch(2 * m, d)
     msh = mesh_lib.make_mesh(pp=p, devices=jax.devices()[:p])

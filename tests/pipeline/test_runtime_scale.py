@@ -15,7 +15,7 @@ from flax import nnx
 from jaxpar import comms
 from jaxpar import mesh as mesh_lib
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import modules, runtime, schedule, stage
+from jaxpar.pipeline import modules, runtime, schedule, stage, verify
 from jaxpar.pipeline import plan as plan_lib
 from jaxpar.testing import assert_close
 
@@ -112,16 +112,7 @@ def test_guarded_permutes_are_counted_exactly():
         comms.resolve(ops, {"not_there": 1})
 
 
-class Block(nnx.Module):
-    """A user's own block: RMSNorm, an MLP, a residual."""
-
-    def __init__(self, d: int, rngs: nnx.Rngs):
-        self.norm = nnx.RMSNorm(d, rngs=rngs)
-        self.up = nnx.Linear(d, 2 * d, rngs=rngs)
-        self.down = nnx.Linear(2 * d, d, rngs=rngs)
-
-    def __call__(self, x):
-        return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+Block = verify.NnxBlock   # a user's own block: RMSNorm, an MLP, a residual
 
 
 class Stack(nnx.Module):

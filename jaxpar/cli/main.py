@@ -3,6 +3,9 @@
     jaxpar tour                      every technique against the reference, one table
     jaxpar verify tp                 one technique's check (names: `jaxpar verify --help`)
     jaxpar schedule 1f1b -p 4 -m 8   pipeline schedules as data (timelines, bubbles, memory)
+    jaxpar memory --tp 8 --sp        one layer's activations, term by term (lecture 4)
+    jaxpar plan --model llama3-8b    the 3D/4D planner (lecture 7)
+    jaxpar exercise 3                the lecture's exercises 1, 3, 7, 8
 
 A subcommand module (COMMANDS) exposes HELP, FLAGS (the library's Python names and the
 flags that set them), add_arguments(parser) and main(args) -> int. A ConfigError (input
@@ -24,6 +27,9 @@ from jaxpar.errors import ConfigError
 # subcommand -> module exposing HELP, FLAGS, add_arguments(parser), main(args).
 COMMANDS: dict[str, str] = {
     "schedule": "jaxpar.cli.schedule",
+    "memory": "jaxpar.cli.memory",
+    "plan": "jaxpar.cli.plan",
+    "exercise": "jaxpar.cli.exercise",
 }
 
 

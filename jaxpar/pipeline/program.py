@@ -44,6 +44,17 @@ from jaxpar.pipeline.plan import LANES
 from jaxpar.pipeline.passes import shapes_and_axes
 
 
+def take(buf, i):
+    """buf[i] as one dynamic slice (an indexing gather's bounds check would select)."""
+    return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+
+
+def put(buf, i, value):
+    """buf[i] = value in place: a dynamic update (`.at[i].set` is a scatter whose
+    out-of-bounds rule makes XLA copy the whole buffer every step)."""
+    return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), i, 0)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Program:
     """plan: the tables; passes: a `passes.Stack` or `passes.Whole`; loss_fn(y, t) or, with
@@ -112,18 +123,19 @@ class Program:
                 loss, dy = jax.value_and_grad(self.loss_fn)(y, target)
             return (dy / scale).astype(y.dtype), (loss / scale).astype(self.loss_dtype), l_acc
 
-        def f_idle(x_in, ids, target, res, e, l_acc):
-            return x_in, res, jnp.zeros((), self.loss_dtype), l_acc
+        def f_idle(x_in, ids, target, e, l_acc):
+            # the slot written is the trash slot: zeros of one slot (activations, not weights)
+            zeros = [varying(jnp.zeros(a.shape, a.dtype), ex) for a, ex in zip(passes.stored, passes.stored_axes)]
+            return x_in, zeros, jnp.zeros((), self.loss_dtype), l_acc
 
-        def f_run(x_in, ids, target, res, e, l_acc):
+        def f_run(x_in, ids, target, e, l_acc):
             x = jax.lax.cond(e[FIELD["from_batch"]] > 0, lambda: varying(first(first_params, ids), axes),
                              lambda: x_in)
             y, stored = passes.forward(params, e[FIELD["f_chunk"]], x)
-            res = [r.at[e[FIELD["res_write"]]].set(new) for r, new in zip(res, stored)]
             last = e[FIELD["f_branch"]] == plan_lib.F_BRANCHES.index("F_last")
             out, loss, l_acc = jax.lax.cond(last, lambda: varying(loss_and_grad(y, target, l_acc), axes),
                                             lambda: varying((y, jnp.zeros((), self.loss_dtype), l_acc), axes))
-            return varying((out, res, loss, l_acc), axes)
+            return varying((out, stored, loss, l_acc), axes)
 
         def b_idle(g_in, stored, kept, acc, f_acc, ids, e):
             return g_in, acc, f_acc, jnp.zeros(passes.kept.shape, passes.kept.dtype), jnp.zeros(
@@ -151,20 +163,24 @@ class Program:
             c = dict(carry)
             # backward lane (B or W) first: it may free the residual slot this step's F takes
             slot = get("res_read")
+            reads = (take(carry["g"], get("g_read")), [take(r, slot) for r in carry["res"]],
+                     take(carry["gw"], slot) if split else None)
             b_out, c["grads"], c["first"], keep, d_in = jax.lax.switch(
-                get("b_branch"), b_branches, carry["g"][get("g_read")], [r[slot] for r in carry["res"]],
-                carry["gw"][slot] if split else None, carry["grads"], carry["first"],
-                inputs[get("b_microbatch")], e)
+                get("b_branch"), b_branches, *reads, carry["grads"], carry["first"],
+                take(inputs, get("b_microbatch")), e)
             if split:
-                c["gw"] = carry["gw"].at[get("gw_write")].set(keep)
+                c["gw"] = put(carry["gw"], get("gw_write"), keep)
             if d_inputs:  # dx is returned as it stands (no trash slot): row m-1 rewritten when idle
                 j = jnp.minimum(get("dx_write"), m - 1)
-                c["dx"] = carry["dx"].at[j].set(jnp.where(get("dx_write") < m, d_in, carry["dx"][j]))
+                c["dx"] = put(carry["dx"], j, jnp.where(get("dx_write") < m, d_in, take(carry["dx"], j)))
             # forward lane
             i = get("f_microbatch")
-            f_out, c["res"], loss, c["last"] = jax.lax.switch(
-                jnp.minimum(get("f_branch"), 1), f_branches, carry["x"][get("x_read")], inputs[i], targets[i],
-                carry["res"], e, carry["last"])
+            f_out, stored, loss, c["last"] = jax.lax.switch(
+                jnp.minimum(get("f_branch"), 1), f_branches, take(carry["x"], get("x_read")), take(inputs, i),
+                take(targets, i),
+                e, carry["last"])
+            # written here, not in the branch: a buffer passed through a conditional is copied
+            c["res"] = [put(r, get("res_write"), new) for r, new in zip(carry["res"], stored)]
             c["loss"] = carry["loss"] + loss
             # every lane's output to where it is consumed: here, or one device over
             outs = {"F": f_out, "B": b_out}
@@ -176,11 +192,11 @@ class Program:
                         lambda v: v, outs[lane])
                 for name in ("x", "g"):
                     if f"{lane}_{ch}_{name}" in pl.channels:
-                        c[name] = c[name].at[get(f"{lane}_{ch}_{name}")].set(received)
+                        c[name] = put(c[name], get(f"{lane}_{ch}_{name}"), received)
             for lane in LANES:
                 for name in ("x", "g"):
                     if f"{lane}_local_{name}" in pl.channels:
-                        c[name] = c[name].at[get(f"{lane}_local_{name}")].set(outs[lane])
+                        c[name] = put(c[name], get(f"{lane}_local_{name}"), outs[lane])
             return c, None
 
         if pl.steps:

@@ -1,0 +1,260 @@
+"""Enumerate parallel configurations, reject the impossible ones with their reason, and
+rank the rest by a modelled step time (lecture 7.2-7.3).
+
+For a model, a cluster (an accelerator, a GPU count, an MFU assumption) and a global
+batch of `tokens` in sequences of `seq`, every (tp, pp, dp, cp, ep, chunks, microbatch,
+recompute) with tp*pp*dp*cp = GPUs is estimated (`evaluate`):
+
+  memory    model states (`memory.states`, ZeRO over dp) + the first stage's activations
+            (`memory.activations.first_stage_bytes`: the model's own block, sequence
+            parallel with tp, microbatches in flight of the schedule);
+  compute   tokens x (6 x active params + 6 x layers x hidden x seq, causal attention)
+            / (GPUs x peak x mfu); full recompute adds a forward (x 4/3), selective the
+            attention's forward;
+  bubble    `pipeline.formulas.bubble` of the schedule (1F1B, or interleaved with chunks);
+  TP        per layer and microbatch, the bytes of `tensor.formulas.tp_block_collectives`
+            (forward + backward; + a forward with full recompute) on the ring, 2(t-1)/t of
+            each all-reduce, over NVLink when tp fits a node, else the inter-node link;
+  EP        4 all-to-alls per MoE layer and microbatch (`expert.formulas.dispatch_bytes`);
+  PP        an activation and a gradient per microbatch and chunk across nodes;
+  CP        the ring's K/V blocks (reported; the ring hides them behind attention);
+  DP        the gradient all-reduce (reduce-scatter + all-gather with ZeRO), once a step.
+  step      (compute + TP + EP + PP) / (1 - bubble) + DP: no overlap, a rough model.
+
+Rejected: a tp that splits neither heads nor KV heads, a pp larger than the layers, a
+batch that does not split into dp x microbatch sequences, m < p (or m not a multiple of
+p for interleaved), a sequence cp (and tp with SP) does not split, an ep that does not
+divide dp or the experts, and memory above the accelerator's. `Estimate.reasons` says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from types import SimpleNamespace
+
+from jaxpar import errors
+from jaxpar.errors import ConfigError
+from jaxpar.expert import formulas as expert_formulas
+from jaxpar.memory import activations, states
+from jaxpar.pipeline import formulas as pipeline_formulas
+from jaxpar.planner.catalog import Accelerator, Model
+from jaxpar.tensor import formulas as tensor_formulas
+
+TIE = 0.02              # plans within 2% of the fastest are a tie: the simplest wins (lecture 7.2)
+ACT_DTYPE = "float16"   # 2 bytes, as bf16 (numpy has no bfloat16)
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Cluster:
+    gpu: Accelerator
+    gpus: int
+    mfu: float = 0.5
+
+    def __post_init__(self):
+        errors.whole("gpus", self.gpus)
+        if self.gpus > 1 and self.gpus % self.gpu.per_node:
+            raise ConfigError(f"gpus={self.gpus} is not a multiple of the {self.gpu.per_node} {self.gpu.name} per "
+                              f"node: use a multiple of {self.gpu.per_node}")
+        if not (isinstance(self.mfu, (int, float)) and 0 < self.mfu <= 1) or isinstance(self.mfu, bool):
+            raise ConfigError(f"mfu={self.mfu!r}: the fraction of peak FLOP/s the compute reaches, in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Candidate:
+    tp: int
+    pp: int
+    dp: int
+    cp: int = 1
+    ep: int = 1
+    chunks: int = 1
+    microbatch: int = 1          # sequences per microbatch
+    recompute: str = "none"
+
+    @property
+    def schedule(self) -> str:
+        return "interleaved" if self.chunks > 1 else "1f1b"
+
+    def label(self) -> str:
+        extra = "".join(f" {k}={v}" for k, v in (("cp", self.cp), ("ep", self.ep), ("v", self.chunks)) if v > 1)
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}{extra} mb={self.microbatch} {self.recompute}"
+
+
+@dataclasses.dataclass
+class Estimate:
+    candidate: Candidate
+    reasons: list
+    microbatches: int = 0
+    memory: dict = dataclasses.field(default_factory=dict)
+    bubble: float = 0.0
+    times: dict = dataclasses.field(default_factory=dict)   # seconds per step, by part
+
+    @property
+    def feasible(self) -> bool:
+        return not self.reasons
+
+    @property
+    def step(self) -> float:
+        return self.times.get("step", math.inf)
+
+    def ratio(self, part: str) -> float:
+        """A communication time over the compute time."""
+        return self.times[part] / self.times["compute"]
+
+
+def sequences(tokens, seq) -> int:
+    errors.whole("seq", seq)
+    if not isinstance(tokens, (int, float)) or isinstance(tokens, bool) or tokens <= 0:
+        raise ConfigError(f"tokens={tokens!r}: the global batch in tokens, e.g. 16 * 2**20")
+    n = tokens / seq
+    if n < 1 or abs(n - round(n)) > 1e-9:
+        raise ConfigError(f"a global batch of {tokens:g} tokens is not a whole number of {seq}-token sequences: "
+                          f"use a multiple of {seq}")
+    return round(n)
+
+
+ACTIVATIONS = ("block", "gpt")
+
+
+def block(model: Model, kind: str = "block") -> activations.Block:
+    """The layer the activation model counts: the model's own ("block": its MLP, KV
+    heads, dropout or not), or the GPT-3 layer of Korthikanti's 34 sbh + 5 as^2 b with the
+    model's h and a ("gpt", as the lecture's planner counts)."""
+    errors.one_of("activations", kind, ACTIVATIONS)
+    if kind == "gpt":
+        return activations.Block(hidden=model.hidden, heads=model.heads)
+    return activations.Block(hidden=model.hidden, heads=model.heads, kv_heads=model.kv_heads,
+                             ffn=model.ffn, mlp=model.mlp, dropout=model.dropout)
+
+
+def _sizes(model: Model):
+    """The sizes tensor.formulas reads, for one of the model's blocks."""
+    return SimpleNamespace(vocab=model.vocab, d_model=model.hidden, n_heads=model.heads, n_kv_heads=model.kv_heads,
+                           head_dim=model.hidden // model.heads, d_ff=model.ffn, mlp=model.mlp)
+
+
+def tp_wire_bytes(model: Model, *, tokens: int, tp: int, passes: int = 2) -> float:
+    """Bytes one device sends for one layer over `tokens` tokens: `passes` programs
+    (forward, backward, and a recomputed forward) of tensor.formulas' collectives, on a
+    ring (all-reduce 2(t-1)/t, all-gather / reduce-scatter (t-1)/t of the bytes)."""
+    if tp == 1:
+        return 0.0
+    total = 0.0
+    for backward in (False, True)[:min(passes, 2)] + ((False,) if passes > 2 else ()):
+        c = tensor_formulas.tp_block_collectives(cfg=_sizes(model), batch_size=1, seq_len=tokens, dtype=ACT_DTYPE,
+                                                 tp=tp, backward=backward)
+        total += sum(b * (2 if kind == "all-reduce" else 1) * (tp - 1) / tp for kind, (_, b) in c.items())
+    return total
+
+
+def evaluate(model: Model, cluster: Cluster, cand: Candidate, *, tokens, seq: int, zero: int = 1,
+             activation_model: str = "block") -> Estimate:
+    c, gpu = cand, cluster.gpu
+    n_seq = sequences(tokens, seq)
+    reasons = []
+    if c.tp * c.pp * c.dp * c.cp != cluster.gpus:
+        reasons.append(f"tp x pp x dp x cp = {c.tp * c.pp * c.dp * c.cp} is not the {cluster.gpus} GPUs")
+    if model.heads % c.tp or (model.kv_heads % c.tp and c.tp % model.kv_heads):
+        reasons.append(f"tp={c.tp} splits neither the {model.heads} heads nor the {model.kv_heads} KV heads evenly")
+    if c.pp > model.layers or c.pp * c.chunks > model.layers:
+        reasons.append(f"pp x chunks = {c.pp * c.chunks} stages for {model.layers} layers")
+    if n_seq % (c.dp * c.microbatch):
+        reasons.append(f"{n_seq} sequences do not split into dp={c.dp} x microbatch={c.microbatch}")
+    m = n_seq // (c.dp * c.microbatch) if c.dp * c.microbatch else 0
+    if c.pp > 1 and m < c.pp:
+        reasons.append(f"m = {m} microbatches < p = {c.pp} (the pipeline never fills)")
+    if c.chunks > 1 and m % c.pp:
+        reasons.append(f"interleaved needs m = {m} to be a multiple of p = {c.pp}")
+    if seq % (c.cp * c.tp):
+        reasons.append(f"seq={seq} does not split into cp x tp = {c.cp * c.tp} (context and sequence parallel)")
+    if model.experts and (c.dp % c.ep or model.experts % c.ep):
+        reasons.append(f"ep={c.ep} must divide dp={c.dp} and the {model.experts} experts")
+    if not model.experts and c.ep > 1:
+        reasons.append(f"ep={c.ep} on a dense model")
+    if reasons:
+        return Estimate(candidate=c, reasons=reasons, microbatches=m)
+
+    st = states.state_bytes(dense=model.dense_params, experts=model.expert_params, tp=c.tp, pp=c.pp, dp=c.dp,
+                            ep=c.ep, zero=zero)
+    act = activations.first_stage_bytes(block(model, activation_model), layers=model.layers, seq=seq, batch=c.microbatch, tp=c.tp,
+                                        sp=c.tp > 1, cp=c.cp, recompute=c.recompute, pp=c.pp, schedule=c.schedule,
+                                        microbatches=m, chunks=c.chunks)
+    memory = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": act}
+    memory["total"] = sum(memory.values())
+    if memory["total"] > gpu.memory:
+        reasons.append(f"memory {memory['total'] / GB:.1f} GB > {gpu.memory / GB:.0f} GB")
+
+    flops = 6 * model.active_params + 6 * model.layers * model.hidden * seq
+    extra = {"none": 0.0, "selective": 2 * model.layers * model.hidden * seq, "full": 2 * model.active_params}
+    compute = n_seq * seq * (flops + extra[c.recompute]) / (cluster.gpus * gpu.flops * cluster.mfu)
+    passes_per_step = -(-model.layers // c.pp) * m          # layer-microbatches per device per step
+    local_tokens = c.microbatch * seq // c.cp
+    bw = lambda group: gpu.intra if group <= gpu.per_node else gpu.inter
+    tp_s = passes_per_step * tp_wire_bytes(model, tokens=local_tokens, tp=c.tp,
+                                           passes=3 if c.recompute == "full" else 2) / bw(c.tp)
+    ep_s = 0.0
+    if model.experts and c.ep > 1:
+        moe_passes = -(-model.moe_layers // c.pp) * m
+        ep_s = moe_passes * 4 * expert_formulas.dispatch_bytes(tokens=local_tokens, top_k=model.top_k,
+                                                               d_model=model.hidden, ep=c.ep, dtype=ACT_DTYPE) \
+            / bw(c.tp * c.ep)
+    act_bytes = local_tokens * model.hidden * 2 / c.tp
+    pp_s = 2 * m * c.chunks * act_bytes / gpu.inter if c.pp > 1 else 0.0
+    kv = model.kv_heads / model.heads
+    cp_s = passes_per_step * 3 * (c.cp - 1) * 2 * local_tokens * model.hidden * kv * 2 / c.tp / bw(c.tp * c.cp)
+    grad_bytes = 2 * (model.dense_params / (c.tp * c.pp))
+    dp_s = grad_bytes * 2 * (c.dp - 1) / c.dp / gpu.inter if c.dp > 1 else 0.0
+    bubble = pipeline_formulas.bubble(c.schedule, c.pp, m, c.chunks) if c.pp > 1 else 0.0
+    step = (compute + tp_s + ep_s + pp_s) / (1 - bubble) + dp_s
+    times = {"compute": compute, "tp": tp_s, "ep": ep_s, "pp": pp_s, "cp (hidden)": cp_s, "dp": dp_s, "step": step}
+    return Estimate(candidate=c, reasons=reasons, microbatches=m, memory=memory, bubble=bubble, times=times)
+
+
+def _powers(limit: int) -> list[int]:
+    return [2 ** k for k in range(0, int(math.log2(limit)) + 1) if 2 ** k <= limit]
+
+
+def candidates(model: Model, cluster: Cluster, *, tps=None, pps=None, cps=(1,), eps=None, chunks=(1, 2),
+               microbatches=(1, 2, 4), recompute=activations.RECOMPUTE):
+    """Every Candidate over the given choices (powers of two by default) that uses all GPUs."""
+    n = cluster.gpus
+    tps = tps or _powers(min(n, 2 * cluster.gpu.per_node))
+    pps = pps or _powers(min(n, model.layers))
+    eps = eps or (_powers(min(n, model.experts)) if model.experts else (1,))
+    for tp, pp, cp in itertools.product(tps, pps, cps):
+        if n % (tp * pp * cp):
+            continue
+        dp = n // (tp * pp * cp)
+        for ep, v, mb, rc in itertools.product(eps, chunks if pp > 1 else (1,), microbatches, recompute):
+            yield Candidate(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, chunks=v, microbatch=mb, recompute=rc)
+
+
+def search(model: Model, cluster: Cluster, *, tokens, seq: int, zero: int = 1, activation_model: str = "block",
+           **choices) -> list[Estimate]:
+    """Every candidate evaluated: the feasible ones first, fastest first, then the rejected."""
+    sequences(tokens, seq)
+    block(model, activation_model)
+    out = [evaluate(model, cluster, c, tokens=tokens, seq=seq, zero=zero, activation_model=activation_model)
+           for c in candidates(model, cluster, **choices)]
+    return sorted(out, key=lambda e: (not e.feasible, e.step, e.candidate.tp, e.candidate.pp))
+
+
+def best(model: Model, cluster: Cluster, *, tokens, seq: int, zero: int = 1, activation_model: str = "block",
+         **choices) -> Estimate:
+    """The planner's choice: of the feasible configurations within TIE of the fastest, the
+    one with the least model parallelism (tp x pp x cp), as the lecture's rule says: what
+    data parallelism can do, leave to it (the model is too rough to split 2%). ConfigError
+    naming the binding constraint if nothing fits."""
+    found = search(model, cluster, tokens=tokens, seq=seq, zero=zero, activation_model=activation_model, **choices)
+    if found and found[0].feasible:
+        near = [e for e in found if e.feasible and e.step <= (1 + TIE) * found[0].step]
+        return min(near, key=lambda e: (e.candidate.tp * e.candidate.pp * e.candidate.cp, e.step))
+    memory = [e for e in found if e.memory]
+    closest = min(memory, key=lambda e: e.memory["total"]) if memory else None
+    why = (f"the closest, {closest.candidate.label()}, needs {closest.memory['total'] / GB:.1f} GB of "
+           f"{cluster.gpu.memory / GB:.0f} GB" if closest else
+           f"every candidate fails a divisibility rule, e.g. {found[0].reasons[0]}" if found else "no candidate")
+    raise ConfigError(f"{model.name} fits no configuration on {cluster.gpus} {cluster.gpu.name}: {why}. Fix: more "
+                      "GPUs, a smaller batch or sequence, or ZeRO-3 (zero=3)")

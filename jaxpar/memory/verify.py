@@ -93,7 +93,7 @@ def _stack_temp(cfg, n_layers: int, batch: int, seq: int, *, mesh, tp: int, sp: 
     x = jax.ShapeDtypeStruct((batch, seq, cfg.d_model), jnp.float32)
     axis = TP if tp > 1 else None
     if recompute == "autodiff":      # reference.block as JAX differentiates it, nothing named
-        layer = functools.partial(lambda lp, h, cfg: reference.block(lp, h, cfg), cfg=cfg)
+        layer = functools.partial(reference.block, cfg=cfg)
     else:
         policy = jax.checkpoint_policies.save_only_these_names(*SAVED[recompute])
         layer = jax.checkpoint(functools.partial(tagged_block, cfg=cfg, axis=axis, sp=sp), policy=policy)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.errors import ConfigError
+from jaxpar.pipeline import stage
 from jaxpar.pipeline.stage import layers
 
 
@@ -59,7 +60,4 @@ def nnx_layers(blocks: Sequence[nnx.Module]) -> tuple[layers, nnx.State]:
     return layers(_Layer(graphs[0], rests[0])), stacked
 
 
-def unstack(stacked: nnx.State) -> list[nnx.State]:
-    """The per-layer States of a stacked one (params or their gradients)."""
-    n = jax.tree.leaves(stacked)[0].shape[0]
-    return [jax.tree.map(lambda a: a[j], stacked) for j in range(n)]
+unstack = stage.unstack   # the per-layer States of a stacked one (params or their gradients)

@@ -64,7 +64,8 @@ def shapes_and_axes(fn: Callable) -> tuple[list, list[tuple[str, ...]]]:
 class _Vjp:
     """A function's vjp split into the leaves to store and the rest: the parameters it was
     taken at (not stored: B has them) and constants. A forward must be traced before a
-    rebuild (`learn` does it), inside shard_map, as the branches are."""
+    rebuild, inside shard_map as the branches are: `learn` does it (with recompute, B
+    traces its own forward first)."""
 
     def __init__(self, fn: Callable):
         self.fn = fn
@@ -93,7 +94,6 @@ class Stack:
 
     def learn(self, params, x):
         """Shapes of the stored residuals and of what a split B keeps for W."""
-        jax.eval_shape(lambda: self._residuals(params, 0, x))
         self.stored, self.stored_axes = shapes_and_axes(lambda: self.forward(params, 0, x)[1])
         self.kept = jax.ShapeDtypeStruct((self.depth, *x.shape), x.dtype)
 
@@ -141,7 +141,6 @@ class Whole:
         self.vjp, self.recompute = _Vjp(stage_fn), recompute
 
     def learn(self, params, x):
-        jax.eval_shape(lambda: self.vjp.forward(read(params, (0,)), x))
         self.stored, self.stored_axes = shapes_and_axes(lambda: self.forward(params, 0, x)[1])
         self.kept = jax.ShapeDtypeStruct(x.shape, x.dtype)
 

@@ -18,8 +18,9 @@ of the plan's table, indexed by `lax.axis_index("pp")`, and runs two lanes, each
                  gradient, which waits here for this stage's B.
 Then each channel's `ppermute` runs where the step's flags say (`plan.py`), and every
 lane's output lands in the slot the table names. Buffers, residuals and accumulators
-are scan carries updated in place; idle branches pass them through, so nothing
-weight-sized is built or selected per step.
+are scan carries updated in place (one dynamic update of a slot); the weight-gradient
+accumulators go through the backward lane's branches, which idle passes through, so
+nothing weight-sized is built or selected per step.
 
 Typing: activations are varying over pp and the axes the batch is split over (`axes`);
 parameters are typed varying over the same, so that no B all-reduces a weight gradient

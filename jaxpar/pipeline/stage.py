@@ -86,13 +86,12 @@ def validate_options(*, recompute=False, bubble_fill=0.0) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """What `validate` found: the layer count, the local rows of one microbatch, the axes
+    """What `validate` found: the layer count, the axes
     the batch is split over (of more than one device), the specs of everything (trees of
     PartitionSpecs, one per leaf), whether input gradients are returned, and the local
     (per-device) shapes the stage sees."""
 
     n_layers: int
-    rows: int
     batch_axes: tuple[str, ...]
     in_spec: P
     target_spec: P
@@ -243,7 +242,7 @@ def validate(schedule: Schedule, stage_fn: Callable, params, batch, mesh, loss_f
                  inputs=mb_shape(local_in, jnp.result_type(inputs)), targets=mb_shape(local_t, jnp.result_type(targets)),
                  stage=jax.tree.map(lambda a: jax.ShapeDtypeStruct((n_layers // stages, *a.shape[1:]), a.dtype),
                                     local_params))
-    return Request(n_layers=n_layers, rows=rows // (split * mb), batch_axes=batch_axes, in_spec=in_spec,
+    return Request(n_layers=n_layers, batch_axes=batch_axes, in_spec=in_spec,
                    target_spec=target_spec, param_specs=param_specs, first_specs=first_specs,
                    last_specs=last_specs, input_grads=input_grads, local=local)
 

@@ -142,7 +142,7 @@ def tp_wire_bytes(model: Model, *, tokens: int, tp: int, passes: int = 2) -> flo
     if tp == 1:
         return 0.0
     total = 0.0
-    for backward in (False, True)[:min(passes, 2)] + ((False,) if passes > 2 else ()):
+    for backward in (False, True, False)[:passes]:     # forward, backward, the recomputed forward
         c = tensor_formulas.tp_block_collectives(cfg=_sizes(model), batch_size=1, seq_len=tokens, dtype=ACT_DTYPE,
                                                  tp=tp, backward=backward)
         total += sum(b * (2 if kind == "all-reduce" else 1) * (tp - 1) / tp for kind, (_, b) in c.items())

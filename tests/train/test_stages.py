@@ -62,7 +62,7 @@ def test_bad_input_is_refused():
         cfg = reference.ModelConfig(n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=32, vocab=30)
         stages.pp_tp_loss(reference.init_params(jax.random.key(0), cfg), tokens(4), cfg=cfg, schedule=s,
                           mesh=mesh_lib.make_mesh(pp=2, tp=4, devices=jax.devices()[:8]))
-    with pytest.raises(ConfigError, match="n_heads=4 is not divisible by tp=8|needs a mesh"):
+    with pytest.raises(ConfigError, match="n_heads=4 is not divisible by tp=8"):
         stages.pp_tp_loss(params, tokens(4), mesh=mesh_lib.make_mesh(pp=1, tp=8, devices=jax.devices()[:8]),
                           cfg=CFG, schedule=schedule.make("1f1b", 1, 2))
     with pytest.raises(ConfigError, match="params must be the whole model"):

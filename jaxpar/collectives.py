@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 
 
 def is_varying(x, axis: str) -> bool:
@@ -52,3 +53,24 @@ def collective_op(forward: Callable, backward: Callable) -> Callable:
 def ring_pairs(n: int, shift: int = 1) -> list[tuple[int, int]]:
     """The (source, destination) pairs of a ppermute sending `shift` places round a ring of n."""
     return [(i, (i + shift) % n) for i in range(n)]
+
+
+PERMUTES = ("ppermute", "all_to_all")
+
+
+def ring_shift(x, axis: str, n: int, *, via: str = "ppermute"):
+    """x sent one place round the ring of the n devices of `axis` (rank i gets rank i-1's).
+
+    via="ppermute": one collective-permute. via="all_to_all": the same move as an
+    all-to-all of an [n, ...] buffer holding x in the neighbour's slot and zeros
+    elsewhere ((n-1) times the bytes; equal at n = 2). The second is for code that runs
+    inside a pipeline stage, where one pp rank at a time takes the branch: XLA:CPU meets
+    a collective-permute with every device of the program (a permute the other pp ranks
+    skip never completes), an all-to-all with its replica group only.
+    """
+    if via == "ppermute":
+        return jax.lax.ppermute(x, axis, ring_pairs(n))
+    me = jax.lax.axis_index(axis)
+    buf = jax.lax.dynamic_update_index_in_dim(jnp.zeros((n, *x.shape), x.dtype), x, (me + 1) % n, 0)
+    got = jax.lax.all_to_all(buf, axis, 0, 0, tiled=True)         # slot j: what rank j sent here
+    return jax.lax.dynamic_index_in_dim(got, (me + n - 1) % n, 0, keepdims=False)

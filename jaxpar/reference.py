@@ -53,6 +53,7 @@ class ModelConfig:
     moe_renormalize: bool = True   # top-k gate weights renormalised to sum to 1 (Mixtral)
     causal: bool = True
     norm_eps: float = 1e-6
+    rope_theta: float = 0.0  # rotary position embedding base (Llama: 10000); 0 = none
 
     def __post_init__(self):
         for name in ("vocab", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "n_layers", "top_k"):
@@ -63,6 +64,13 @@ class ModelConfig:
         errors.flag("moe_renormalize", self.moe_renormalize)
         errors.flag("causal", self.causal)
         errors.number("norm_eps", self.norm_eps, fix="norm_eps is the RMSNorm epsilon, e.g. norm_eps=1e-6")
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or not (
+                self.rope_theta == 0 or 1 < self.rope_theta < float("inf")):
+            raise ConfigError(f"rope_theta={self.rope_theta!r}: give 0 (no rotary embedding) or a base > 1, "
+                              "e.g. rope_theta=10000.0")
+        if self.rope_theta and self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} is odd: rotary embedding turns pairs of features. "
+                              f"Fix: head_dim={self.head_dim + 1}, or rope_theta=0")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
@@ -159,10 +167,25 @@ def attention(q, k, v, *, causal: bool = True):
     return jnp.einsum("bnts,bsnh->btnh", weights, v)
 
 
-def attention_layer(p: dict, x, *, causal: bool = True):
-    """Projections + attention + output projection (no norm, no residual). x: [B, T, D]."""
-    q = jnp.einsum("btd,dnh->btnh", x, p["wq"])
-    k = jnp.einsum("btd,dkh->btkh", x, p["wk"])
+def rope(x, positions, theta: float):
+    """Rotary position embedding (Su et al.; Llama's half-split form): feature pairs
+    (i, i + H/2) of x [B, T, n, H] turned by positions[t] * theta^(-2i/H). theta=0: x."""
+    if not theta:
+        return x
+    H = x.shape[-1]
+    freq = jnp.asarray(theta, jnp.float32) ** (-jnp.arange(0, H // 2, dtype=jnp.float32) * 2 / H)
+    angle = jnp.asarray(positions, jnp.float32)[:, None] * freq                     # [T, H/2]
+    cos, sin = (f(angle).astype(x.dtype)[None, :, None, :] for f in (jnp.cos, jnp.sin))
+    x1, x2 = x[..., :H // 2], x[..., H // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def attention_layer(p: dict, x, *, causal: bool = True, rope_theta: float = 0.0):
+    """Projections + attention + output projection (no norm, no residual). x: [B, T, D].
+    Queries and keys are turned by the rotary embedding when rope_theta > 0."""
+    positions = jnp.arange(x.shape[1])
+    q = rope(jnp.einsum("btd,dnh->btnh", x, p["wq"]), positions, rope_theta)
+    k = rope(jnp.einsum("btd,dkh->btkh", x, p["wk"]), positions, rope_theta)
     v = jnp.einsum("btd,dkh->btkh", x, p["wv"])
     o = attention(q, k, v, causal=causal)
     return jnp.einsum("btnh,nhd->btd", o, p["wo"])
@@ -203,7 +226,8 @@ def moe(p: dict, x, *, top_k: int, kind: str = "gelu", renormalize: bool = True)
 
 def block(p: dict, x, cfg: ModelConfig):
     """Pre-norm block: h = x + attn(norm(x)); y = h + mlp_or_moe(norm(h)). x: [B, T, D]."""
-    h = x + attention_layer(p, rms_norm(x, p["attn_norm"], cfg.norm_eps), causal=cfg.causal)
+    h = x + attention_layer(p, rms_norm(x, p["attn_norm"], cfg.norm_eps), causal=cfg.causal,
+                            rope_theta=cfg.rope_theta)
     z = rms_norm(h, p["mlp_norm"], cfg.norm_eps)
     if cfg.n_experts:
         return h + moe(p, z, top_k=cfg.top_k, kind=cfg.mlp, renormalize=cfg.moe_renormalize)

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import errors
 from jaxpar import mesh as mesh_lib
-from jaxpar.collectives import ring_pairs
+from jaxpar.collectives import PERMUTES, ring_shift
 from jaxpar.context import zigzag
 from jaxpar.context.blockwise import (acc_dtype, attend_backward_chunked, attend_chunked, attend_diagonal,
                                       attend_diagonal_backward, check_qkv, group, heads_major, merge, ungroup)
@@ -111,13 +111,13 @@ def _dispatch(table: np.ndarray, axis, step_fn):
     return step
 
 
-def _ring(cp: int, axis, kv, first, step, after=lambda state: state):
+def _ring(cp: int, axis, kv, first, step, after=lambda state: state, permute: str = "ppermute"):
     """The ring loop. state = first(kv) on the own block, then step(r, state, kv_r) for
     r = 1..cp-1 with kv_r the K/V of rank i - r; the held K/V is sent on to rank i+1
     before each step's compute (cp - 1 sends), and `after(state)` runs after every step
     (the backward's dK/dV hop). Steps 1..cp-2 are one lax.scan: the program does not
     grow with cp."""
-    send = lambda x: jax.lax.ppermute(x, axis, ring_pairs(cp))
+    send = lambda x: ring_shift(x, axis, cp, via=permute)
     nxt = send(kv) if cp > 1 else None
     state = after(first(kv))
     if cp > 2:
@@ -131,17 +131,17 @@ def _ring(cp: int, axis, kv, first, step, after=lambda state: state):
     return state
 
 
-def _forward(q, kv, axis, causal, layout, chunk):
+def _forward(q, kv, axis, causal, layout, chunk, permute):
     """(o, lse) of grouped q [B, K, G, Tq, H] over the ring's stacked K/V [2, B, K, Tk, H]; o in q's dtype."""
     cp = _size(axis)
     scale = 1.0 / math.sqrt(q.shape[-1])
     table = zigzag.plan(cp, layout, causal)
     step = _dispatch(table, axis, lambda kind, state, kv: _forward_step(kind, q, scale, chunk, *state, kv))
-    o, lse = _ring(cp, axis, kv, lambda kv: _block(int(table[0, 0]), q, kv, scale, chunk), step)
+    o, lse = _ring(cp, axis, kv, lambda kv: _block(int(table[0, 0]), q, kv, scale, chunk), step, permute=permute)
     return o.astype(q.dtype), lse
 
 
-def _backward(q, kv, o, lse, do, axis, causal, layout, chunk):
+def _backward(q, kv, o, lse, do, axis, causal, layout, chunk, permute):
     cp = _size(axis)
     scale = 1.0 / math.sqrt(q.shape[-1])
     table = zigzag.plan(cp, layout, causal)
@@ -153,24 +153,24 @@ def _backward(q, kv, o, lse, do, axis, causal, layout, chunk):
         zeros = (jnp.zeros(q.shape, dt), jnp.zeros(kv.shape, dt))
         return _backward_step(int(table[0, 0]), q, do, lse, delta, scale, chunk, *zeros, kv)
 
-    send = lambda x: jax.lax.ppermute(x, axis, ring_pairs(cp))
+    send = lambda x: ring_shift(x, axis, cp, via=permute)
     after = (lambda state: (state[0], send(state[1]))) if cp > 1 else (lambda state: state)
-    dq, dkv = _ring(cp, axis, kv, first, step, after)
+    dq, dkv = _ring(cp, axis, kv, first, step, after, permute=permute)
     return dq.astype(q.dtype), dkv.astype(kv.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _ring_attention(q, kv, axis, causal, layout, chunk):
-    return _forward(q, kv, axis, causal, layout, chunk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _ring_attention(q, kv, axis, causal, layout, chunk, permute):
+    return _forward(q, kv, axis, causal, layout, chunk, permute)[0]
 
 
-def _ring_fwd(q, kv, axis, causal, layout, chunk):
-    o, lse = _forward(q, kv, axis, causal, layout, chunk)
+def _ring_fwd(q, kv, axis, causal, layout, chunk, permute):
+    o, lse = _forward(q, kv, axis, causal, layout, chunk, permute)
     return o, (q, kv, o, lse)
 
 
-def _ring_bwd(axis, causal, layout, chunk, res, do):
-    return _backward(*res, do, axis, causal, layout, chunk)
+def _ring_bwd(axis, causal, layout, chunk, permute, res, do):
+    return _backward(*res, do, axis, causal, layout, chunk, permute)
 
 
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)
@@ -203,7 +203,8 @@ def relayout_shard(x, *, axis, layout: str, inverse: bool = False, seq_dim: int 
 
 
 def ring_attention_shard(q, k, v, *, axis=CP, causal: bool = True, layout: str = "contiguous",
-                         relayout: bool = False, chunk: int = CHUNK, custom_backward: bool = True):
+                         relayout: bool = False, chunk: int = CHUNK, custom_backward: bool = True,
+                         permute: str = "ppermute"):
     """Attention of this shard's queries over the whole ring's keys, inside shard_map.
 
     q [B, Tc, N, H], k and v [B, Tc, K, H], Tc = T/cp: this rank's tokens, in `layout`
@@ -213,12 +214,14 @@ def ring_attention_shard(q, k, v, *, axis=CP, causal: bool = True, layout: str =
     [B, Tc, N, H]. Each block's keys are taken `chunk` at a time (blockwise.chunk_size),
     so scores are Tc x chunk at a time, never Tc x Tc. custom_backward=False
     differentiates the forward loop by autodiff (it keeps every block's scores: the
-    reference for the memory-efficient backward).
+    reference for the memory-efficient backward). permute: how K/V hop round the ring,
+    "ppermute", or "all_to_all" inside a pipeline stage (collectives.ring_shift says why).
     """
     errors.flag("causal", causal)
     errors.flag("relayout", relayout)
     errors.flag("custom_backward", custom_backward)
     errors.whole("chunk", chunk, maximum=MAX_CHUNK)
+    errors.one_of("permute", permute, PERMUTES)
     zigzag.check_layout(layout)
     B, T, N, K, H = check_qkv(q, k, v, needed_by="ring_attention_shard")
     if layout == "zigzag" and T % 2:
@@ -226,14 +229,14 @@ def ring_attention_shard(q, k, v, *, axis=CP, causal: bool = True, layout: str =
                           "rank). Fix: a sequence length that is a multiple of 2*cp")
     move = functools.partial(relayout_shard, axis=axis, layout=layout if relayout else "contiguous")
     kv = jnp.stack([heads_major(k), heads_major(v)])            # [2, B, K, Tc, H]: one buffer travels
-    o = _ring_kv(move(group(q, K)), move(kv), axis, causal, layout, chunk, custom_backward)
+    o = _ring_kv(move(group(q, K)), move(kv), axis, causal, layout, chunk, custom_backward, permute)
     return ungroup(move(o, inverse=True))
 
 
-def _ring_kv(q, kv, axis, causal, layout, chunk, custom_backward):
+def _ring_kv(q, kv, axis, causal, layout, chunk, custom_backward, permute="ppermute"):
     if custom_backward:
-        return _ring_attention(q, kv, axis, causal, layout, chunk)
-    return _forward(q, kv, axis, causal, layout, chunk)[0]
+        return _ring_attention(q, kv, axis, causal, layout, chunk, permute)
+    return _forward(q, kv, axis, causal, layout, chunk, permute)[0]
 
 
 def specs(mesh, *, seq_axes: tuple[str, ...], n_heads: int, n_kv_heads: int, batch_size: int,

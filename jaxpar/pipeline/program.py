@@ -74,11 +74,16 @@ class Program:
     loss_dtype: object
     input_grads: bool
 
-    def activation(self, first_params, inputs) -> jax.ShapeDtypeStruct:
-        """The shape of one microbatch's activation (inside shard_map)."""
+    def activation(self, first_params, inputs) -> tuple[jax.ShapeDtypeStruct, tuple[str, ...]]:
+        """The shape of one microbatch's activation and the axes it varies over: those of
+        `axes`, and any the first stage adds (inside shard_map; a sequence-parallel
+        embedding's output varies over tp, the activations between stages then too)."""
         if self.first_fn is None:
-            return jax.ShapeDtypeStruct(inputs.shape[1:], inputs.dtype)
-        return jax.eval_shape(self.first_fn, first_params, inputs[0])
+            act, extra = jax.ShapeDtypeStruct(inputs.shape[1:], inputs.dtype), jax.typeof(inputs)
+        else:
+            act = extra = jax.eval_shape(self.first_fn, first_params, inputs[0])
+        extra = sorted(set(extra.manual_axis_type.varying) - set(self.axes))
+        return act, (*self.axes, *extra)
 
     def __call__(self, params, inputs, targets, first_params=None, last_params=None):
         """params [v, Lc, ...], inputs / targets [m, mb, ...] -> (loss, grads [v, Lc, ...],
@@ -89,15 +94,16 @@ class Program:
         table, flags = jnp.asarray(pl.table), jnp.asarray(pl.flags)
         me = jax.lax.axis_index(PP)
         params, first_params, last_params = varying((params, first_params, last_params), axes)
-        act = self.activation(first_params, inputs)
-        self._check_stage(params, act)
-        passes.learn(params, varying(jnp.zeros(act.shape, act.dtype), axes))
+        act, act_axes = self.activation(first_params, inputs)
+        self._check_stage(params, act, act_axes)
+        passes.learn(params, varying(jnp.zeros(act.shape, act.dtype), act_axes))
         fill = lambda a: self.fill if jnp.issubdtype(a.dtype, jnp.inexact) else 0
         buf = lambda n, a: jnp.full((n + 1, *a.shape), fill(a), a.dtype)
         zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
         d_inputs = self.input_grads
         carry = varying(dict(
-            x=buf(pl.n_x, act), g=buf(pl.n_g, act), gw=buf(pl.n_res, passes.kept) if split else None,
+            x=varying(buf(pl.n_x, act), act_axes), g=varying(buf(pl.n_g, act), act_axes),
+            gw=varying(buf(pl.n_res, passes.kept), act_axes) if split else None,
             res=[varying(buf(pl.n_res, a), extra) for a, extra in zip(passes.stored, passes.stored_axes)],
             grads=zeros(params), first=zeros(first_params),
             last=zeros(last_params), dx=jnp.full(inputs.shape, fill(inputs), inputs.dtype) if d_inputs else None,
@@ -130,7 +136,7 @@ class Program:
             return x_in, zeros, jnp.zeros((), self.loss_dtype), l_acc
 
         def f_run(x_in, ids, target, e, l_acc):
-            x = jax.lax.cond(e[FIELD["from_batch"]] > 0, lambda: varying(first(first_params, ids), axes),
+            x = jax.lax.cond(e[FIELD["from_batch"]] > 0, lambda: varying(first(first_params, ids), act_axes),
                              lambda: x_in)
             y, stored = passes.forward(params, e[FIELD["f_chunk"]], x)
             last = e[FIELD["f_branch"]] == plan_lib.F_BRANCHES.index("F_last")
@@ -139,7 +145,7 @@ class Program:
             return varying((out, stored, loss, l_acc), axes)
 
         def b_idle(g_in, stored, kept, acc, f_acc, ids, e):
-            return g_in, acc, f_acc, jnp.zeros(passes.kept.shape, passes.kept.dtype), jnp.zeros(
+            return g_in, acc, f_acc, varying(jnp.zeros(passes.kept.shape, passes.kept.dtype), act_axes), jnp.zeros(
                 inputs.shape[1:], inputs.dtype)
 
         def b_run(g_in, stored, kept, acc, f_acc, ids, e):
@@ -204,10 +210,10 @@ class Program:
             carry, _ = jax.lax.scan(step, carry, (table, flags))
         return carry["loss"], carry["grads"], carry["dx"], carry["first"], carry["last"]
 
-    def _check_stage(self, params, act):
+    def _check_stage(self, params, act, act_axes):
         """A stage must keep the activation's shape, dtype and sharding type (traced here,
         inside shard_map, where its collectives are bound)."""
-        x = varying(jnp.zeros(act.shape, act.dtype), self.axes)
+        x = varying(jnp.zeros(act.shape, act.dtype), act_axes)
         varies = ("stage_fn's output varies over more axes than its input: a per-shard stage returns its "
                   "activation laid out as it came in (sum partial results with psum, or split the batch over "
                   "that axis with batch_spec)")
@@ -220,6 +226,6 @@ class Program:
         if (y.shape, y.dtype) != (act.shape, act.dtype):
             raise ConfigError(f"stage_fn maps a microbatch {act.shape} {act.dtype} to {y.shape} {y.dtype}: a "
                               f"pipeline stage must keep the activation's shape and dtype")
-        extra = set(y_axes) - set(self.axes)
+        extra = set(y_axes) - set(act_axes)
         if extra:
             raise ConfigError(f"{varies}: over {sorted(extra)}")

@@ -49,7 +49,8 @@ from jaxpar.pipeline.schedule import Schedule
 from jaxpar.pipeline.stage import (Grads, check_shapes, from_stages, layers, mse, spec_axes, to_stages, validate,
                                    validate_options)
 
-__all__ = ["Grads", "Pipeline", "from_stages", "layers", "mse", "pipeline", "run", "run_pipeline", "to_stages"]
+__all__ = ["Grads", "Local", "Pipeline", "from_stages", "layers", "local", "mse", "pipeline", "run", "run_pipeline",
+           "to_stages"]
 
 
 class Pipeline(NamedTuple):
@@ -72,17 +73,27 @@ def compiler_options(mesh) -> dict:
     return {"xla_cpu_copy_insertion_use_region_analysis": True} if platform == "cpu" else {}
 
 
-def _staged(spec: P) -> P:
+def staged(spec: P) -> P:
+    """The spec of a stage-layout leaf [p, v, Lc, ...] whose one layer is laid out as `spec`."""
     return P(PP, None, None, *spec)
 
 
-def pipeline(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn: Callable = mse,
-             recompute: bool = False, bubble_fill: float = 0.0, input_grads: bool | None = None,
-             param_specs=None, batch_spec: P | None = None, first_fn: Callable | None = None,
-             first_params=None, first_specs=None, last_params=None, last_specs=None) -> Pipeline:
-    """Check everything (ConfigError before compiling) and build the jitted step; `params`,
-    `batch` and the first/last params may be arrays or ShapeDtypeStructs (only their
-    shapes are used)."""
+class Local(NamedTuple):
+    """The per-device pipeline of one request, to call inside a shard_map over every axis
+    (`pipeline` wraps it; a training step wraps it with its own reductions and update):
+    program(params [v, Lc, ...], inputs [m, mb, ...], targets, first, last) -> (loss,
+    grads, d inputs, first grads, last grads), the gradients not yet summed over the
+    batch axes (`request.batch_axes`)."""
+    program: Program
+    request: Any
+    plan: plan_lib.Plan
+
+
+def local(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn: Callable = mse,
+          recompute: bool = False, bubble_fill: float = 0.0, input_grads: bool | None = None,
+          param_specs=None, batch_spec: P | None = None, first_fn: Callable | None = None,
+          first_params=None, first_specs=None, last_params=None, last_specs=None) -> Local:
+    """Check everything (ConfigError before compiling) and build the per-device program."""
     v = validate(schedule, stage_fn, params, batch, mesh, loss_fn, batch_spec=batch_spec, first_fn=first_fn,
                  param_specs=param_specs, first_params=first_params, first_specs=first_specs,
                  last_params=last_params, last_specs=last_specs, input_grads=input_grads)
@@ -98,6 +109,21 @@ def pipeline(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, los
     program = Program(plan=plan, passes=passes, loss_fn=loss_fn, first_fn=first_fn, last_params=has_last,
                       axes=(PP, *v.batch_axes), scale=m * shards, fill=bubble_fill, loss_dtype=loss_dtype,
                       input_grads=v.input_grads)
+    return Local(program=program, request=v, plan=plan)
+
+
+def pipeline(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn: Callable = mse,
+             recompute: bool = False, bubble_fill: float = 0.0, input_grads: bool | None = None,
+             param_specs=None, batch_spec: P | None = None, first_fn: Callable | None = None,
+             first_params=None, first_specs=None, last_params=None, last_specs=None) -> Pipeline:
+    """Check everything (ConfigError before compiling) and build the jitted step; `params`,
+    `batch` and the first/last params may be arrays or ShapeDtypeStructs (only their
+    shapes are used)."""
+    built = local(schedule, stage_fn, params, batch, mesh=mesh, loss_fn=loss_fn, recompute=recompute,
+                  bubble_fill=bubble_fill, input_grads=input_grads, param_specs=param_specs,
+                  batch_spec=batch_spec, first_fn=first_fn, first_params=first_params, first_specs=first_specs,
+                  last_params=last_params, last_specs=last_specs)
+    v, plan, program, m = built.request, built.plan, built.program, schedule.microbatches
 
     def reduce(tree, specs):
         """Sum each leaf over the batch axes its spec does not split (once, at the end)."""
@@ -106,7 +132,7 @@ def pipeline(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, los
             return jax.lax.psum(a, over) if over else a
         return jax.tree.map(one, tree, specs)
 
-    def local(params, inputs, targets, first_params, last_params):
+    def per_device(params, inputs, targets, first_params, last_params):
         params = jax.tree.map(lambda a: a[0], params)                 # [v, Lc, ...]
         split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])  # [m, mb, ...]
         loss, grads, dx, g_first, g_last = program(params, split(inputs), split(targets), first_params,
@@ -118,12 +144,12 @@ def pipeline(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, los
         lead = lambda t: jax.tree.map(lambda a: a[None], t)
         return loss[None], lead(grads), dx, lead(g_first), lead(g_last)
 
-    staged = jax.tree.map(_staged, v.param_specs)
+    stage_specs = jax.tree.map(staged, v.param_specs)
     edge = lambda specs: None if specs is None else jax.tree.map(lambda s: P(PP, *s), specs)
-    in_specs = (staged, v.in_spec, v.target_spec, v.first_specs, v.last_specs)
-    out_specs = (P(PP), staged, P(PP, *v.in_spec) if v.input_grads else None, edge(v.first_specs),
+    in_specs = (stage_specs, v.in_spec, v.target_spec, v.first_specs, v.last_specs)
+    out_specs = (P(PP), stage_specs, P(PP, *v.in_spec) if v.input_grads else None, edge(v.first_specs),
                  edge(v.last_specs))
-    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs),
+    step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs),
                    compiler_options=compiler_options(mesh))
     return Pipeline(step=step, plan=plan, schedule=schedule, mesh=mesh)
 

@@ -59,11 +59,14 @@ def _kv_shard(w, *, axis: str, n_kv_heads: int):
 
 
 def attention_shard(p, x, *, cfg: reference.ModelConfig, axis: str,
-                    sequence_parallel: bool = False):
+                    sequence_parallel: bool = False, positions=None, attend=None):
     """Attention split by heads. x: [B, T, D] (TP) or [B, T_tp, D] (SP) -> same shape.
 
     wq[D, N_tp, H], wk/wv[D, K_tp, H] (or [D, K, H] replicated when tp > K), wo[N_tp, H, D].
     A head's Q, K and V live on one device, so attention itself needs no communication.
+    positions: int[T] of the (gathered) tokens for the rotary embedding (default 0..T-1);
+    attend(q, k, v) -> o: the attention of the local heads (default reference.attention;
+    ring or Ulysses attention over a context axis for a composed model).
     """
     t = jax.lax.axis_size(axis)
     wk, wv = p["wk"], p["wv"]
@@ -73,7 +76,10 @@ def attention_shard(p, x, *, cfg: reference.ModelConfig, axis: str,
     q, k, v = column_parallel(x, p["wq"], wk, wv, axis=axis, sequence_parallel=sequence_parallel)
     # q: [B, T, N/t, H]; k, v: [B, T, K/t or 1, H]
     assert q.shape[2] == cfg.n_heads // t, q.shape
-    o = reference.attention(q, k, v, causal=cfg.causal)        # [B, T, N/t, H]
+    if cfg.rope_theta:
+        positions = jnp.arange(q.shape[1]) if positions is None else positions
+        q, k = (reference.rope(a, positions, cfg.rope_theta) for a in (q, k))
+    o = (attend or (lambda q, k, v: reference.attention(q, k, v, causal=cfg.causal)))(q, k, v)  # [B, T, N/t, H]
     return row_parallel(o, p["wo"], axis=axis, sequence_parallel=sequence_parallel)
 
 
@@ -94,19 +100,23 @@ def mlp_shard(p, x, *, cfg: reference.ModelConfig, axis: str,
 
 
 def block_shard(p, x, *, cfg: reference.ModelConfig, axis: str = TP,
-                sequence_parallel: bool = False):
+                sequence_parallel: bool = False, positions=None, attend=None, ffn=None):
     """One pre-norm block on one tp shard. x, y: [B, T, D] (TP) or [B, T_tp, D] (SP).
 
     Norms and residuals are replicated (TP) or run on this device's T/t tokens (SP). Under
     SP the gains go through f: each device saw only its tokens, so dL/dgain is the psum
-    over tp of the local parts (exercise 5c).
+    over tp of the local parts (exercise 5c). positions and attend: see attention_shard;
+    ffn(p, z) -> the feed-forward output in z's layout (default: the Megatron MLP; an
+    expert-parallel MoE for a composed model).
     """
     kw = dict(cfg=cfg, axis=axis, sequence_parallel=sequence_parallel)
     g_attn, g_mlp = p["attn_norm"], p["mlp_norm"]
     if sequence_parallel:
         g_attn, g_mlp = copy_to_tp(g_attn, axis), copy_to_tp(g_mlp, axis)
-    h = x + attention_shard(p, reference.rms_norm(x, g_attn, cfg.norm_eps), **kw)
-    return h + mlp_shard(p, reference.rms_norm(h, g_mlp, cfg.norm_eps), **kw)
+    h = x + attention_shard(p, reference.rms_norm(x, g_attn, cfg.norm_eps), positions=positions, attend=attend,
+                            **kw)
+    z = reference.rms_norm(h, g_mlp, cfg.norm_eps)
+    return h + (mlp_shard(p, z, **kw) if ffn is None else ffn(p, z))
 
 
 # --- the lecture's counterexample -----------------------------------------------------------

@@ -47,7 +47,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.mesh import DP, TP, axis_size, require_mesh
 from jaxpar.tensor.block import tp_block, validate_batch
 from jaxpar.tensor.layers import column_parallel
-from jaxpar.tensor.ops import reduce_from_tp
+from jaxpar.tensor.ops import copy_to_tp, reduce_from_tp, reduce_scatter_to_sp
 
 
 def _vocab_range(v_local: int, axis: str):
@@ -55,8 +55,9 @@ def _vocab_range(v_local: int, axis: str):
     return start, start + v_local
 
 
-def embedding_shard(embed, tokens, *, axis: str = TP):
-    """embed: [V/t, D] (this device's rows), tokens: int[B, T] (all) -> [B, T, D], invariant.
+def embedding_shard(embed, tokens, *, axis: str = TP, sequence_parallel: bool = False):
+    """embed: [V/t, D] (this device's rows), tokens: int[B, T] (all) -> [B, T, D], invariant
+    (sequence_parallel: [B, T/t, D], this device's tokens, by a reduce-scatter along T).
 
     A token outside this shard's range reads row 0 and is zeroed; g (all-reduce) adds the
     shards, exactly one of which holds each token's row.
@@ -64,8 +65,8 @@ def embedding_shard(embed, tokens, *, axis: str = TP):
     v_local = embed.shape[0]
     start, stop = _vocab_range(v_local, axis)
     mine = (tokens >= start) & (tokens < stop)                       # [B, T]
-    rows = embed[jnp.where(mine, tokens - start, 0)]                 # [B, T, D]
-    return reduce_from_tp(jnp.where(mine[..., None], rows, 0), axis)
+    rows = jnp.where(mine[..., None], embed[jnp.where(mine, tokens - start, 0)], 0)   # [B, T, D]
+    return reduce_scatter_to_sp(rows, axis, 1) if sequence_parallel else reduce_from_tp(rows, axis)
 
 
 def cross_entropy_shard(logits, targets, *, axis: str = TP):
@@ -90,7 +91,8 @@ def cross_entropy_shard(logits, targets, *, axis: str = TP):
     return jnp.mean(jnp.log(sum_exp) - target_logit)
 
 
-def lm_head_loss_shard(x, final_norm, unembed, targets, *, eps: float, axis: str = TP):
+def lm_head_loss_shard(x, final_norm, unembed, targets, *, eps: float, axis: str = TP,
+                       sequence_parallel: bool = False):
     """The output layer and loss on one tp shard (Megatron's parallel_lm_logits + vocab CE).
 
     x: [B, T, D] invariant over tp; final_norm: [D] replicated; unembed: [D, V/t] (this
@@ -98,9 +100,13 @@ def lm_head_loss_shard(x, final_norm, unembed, targets, *, eps: float, axis: str
     device alike; its output enters the column-parallel layer through f, whose backward
     all-reduces dL/dz (every device's V/t logits depend on all of z), so x's and the gain's
     gradients are whole. logits [B, T, V/t] stay on this device.
+    Sequence parallel: x [B, T/t, D] (this device's tokens), the norm on them (its gain
+    through f: exercise 5c), then the all-gather along T into the column-parallel layer.
     """
-    z = reference.rms_norm(x, final_norm, eps)                          # [B, T, D]
-    (logits,) = column_parallel(z, unembed, axis=axis)                   # f; [B, T, V/t]
+    if sequence_parallel:
+        final_norm = copy_to_tp(final_norm, axis)
+    z = reference.rms_norm(x, final_norm, eps)                          # [B, T(/t), D]
+    (logits,) = column_parallel(z, unembed, axis=axis, sequence_parallel=sequence_parallel)  # [B, T, V/t]
     return cross_entropy_shard(logits, targets, axis=axis)
 
 

@@ -1,0 +1,173 @@
+"""The language model: a flax NNX module holding `reference.ModelConfig`'s parameters
+with partition metadata, and the per-shard functions that run it on a ParallelSpec.
+
+    model = LanguageModel(cfg, key=jax.random.key(0))
+    nnx.get_partition_spec(nnx.state(model))   # how each weight is split (flax's own tools)
+    model(tokens)                               # logits, unsharded (reference.forward)
+    model.params()                              # the plain dict reference.init_params gives
+
+Per shard (inside the step's one shard_map; `shard_fns(cfg, spec, seq_len)`):
+  block   `tensor.layers.block_shard` over tp (Megatron, SP when asked), its attention
+          ring or Ulysses attention over cp, rotary embedding at this cp rank's
+          positions (zigzag aware), its MLP either Megatron's or the MoE: the tokens
+          enter the tp region (f, or the SP all-gather), `expert.dispatch.ep_moe_shard`
+          sends them over ep to experts whose FFN is split over tp, and g (or the SP
+          reduce-scatter) sums the tp partial outputs;
+  embed   the vocab-parallel embedding (first stage);
+  head    the final norm, LM head and vocab-parallel cross-entropy (last stage).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import reference
+from jaxpar.context import zigzag
+from jaxpar.context.ring import ring_attention_shard
+from jaxpar.context.ulysses import ulysses_attention_shard
+from jaxpar.expert.dispatch import ep_moe_shard
+from jaxpar.mesh import CP, EP, PP, TP
+from jaxpar.pipeline import runtime
+from jaxpar.tensor.layers import block_shard
+from jaxpar.tensor.ops import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
+from jaxpar.tensor.vocab import embedding_shard, lm_head_loss_shard
+from jaxpar.train.spec import ParallelSpec
+
+
+def layer_names(cfg: reference.ModelConfig, tp: int) -> dict[str, tuple]:
+    """The mesh axis of each dimension of one block's weights (None: not split)."""
+    kv = TP if cfg.n_kv_heads % tp == 0 else None      # tp > K: KV heads replicated
+    names = {"attn_norm": (None,), "wq": (None, TP, None), "wk": (None, kv, None), "wv": (None, kv, None),
+             "wo": (TP, None, None), "mlp_norm": (None,)}
+    if cfg.n_experts:
+        names.update(router=(None, None), w_up=(EP, None, TP), w_down=(EP, TP, None))
+        if cfg.mlp == "swiglu":
+            names["w_gate"] = (EP, None, TP)
+    else:
+        names.update(w_up=(None, TP), w_down=(TP, None))
+        if cfg.mlp == "swiglu":
+            names["w_gate"] = (None, TP)
+    return names
+
+
+def partition_names(cfg: reference.ModelConfig, tp: int = 2) -> dict:
+    """Every weight's dimension names, in reference.init_params's structure (layers on pp)."""
+    return {"embed": (TP, None), "final_norm": (None,), "unembed": (None, TP),
+            "blocks": {k: (PP, *v) for k, v in layer_names(cfg, tp).items()}}
+
+
+def specs(cfg: reference.ModelConfig, spec: ParallelSpec) -> tuple[dict, dict, dict]:
+    """(one layer's PartitionSpecs over the non-pp axes, first-stage specs, last-stage
+    specs), size-1 axes left out."""
+    sizes = spec.sizes
+    keep = lambda names: P(*(n if n is not None and sizes.get(n, 1) > 1 else None for n in names))
+    layer = {k: keep(v) for k, v in layer_names(cfg, spec.tp).items()}
+    return layer, {"embed": keep((TP, None))}, {"final_norm": P(), "unembed": keep((None, TP))}
+
+
+class LanguageModel(nnx.Module):
+    """reference.ModelConfig's decoder as NNX parameters with partition metadata
+    (`sharding_names`: the mesh axis of each dimension; flax's get_partition_spec reads
+    them). The blocks stack their L layers on a leading axis, split over pp."""
+
+    def __init__(self, cfg: reference.ModelConfig, *, key=None, params: dict | None = None,
+                 dtype=jnp.float32, tp: int = 2):
+        self.cfg = cfg
+        params = reference.init_params(jax.random.key(0) if key is None else key, cfg, dtype) \
+            if params is None else params
+        names = partition_names(cfg, tp)
+        param = lambda a, n: nnx.Param(jnp.asarray(a), sharding_names=n, eager_sharding=False)
+        self.embed = param(params["embed"], names["embed"])
+        self.final_norm = param(params["final_norm"], names["final_norm"])
+        self.unembed = param(params["unembed"], names["unembed"])
+        self.blocks = nnx.Dict({k: param(a, names["blocks"][k]) for k, a in params["blocks"].items()})
+
+    def params(self) -> dict:
+        """The plain dict of arrays (reference.init_params's structure)."""
+        return {"embed": self.embed[...], "final_norm": self.final_norm[...], "unembed": self.unembed[...],
+                "blocks": {k: v[...] for k, v in self.blocks.items()}}
+
+    def __call__(self, tokens):
+        return reference.forward(self.params(), tokens, self.cfg)
+
+    def loss(self, tokens):
+        return reference.loss(self.params(), tokens, self.cfg)
+
+
+# ---- per shard ------------------------------------------------------------------------------
+
+def _positions(seq_len: int, spec: ParallelSpec):
+    """int[T/cp]: the positions of this cp rank's tokens (in the ring's layout)."""
+    local = seq_len // spec.cp
+    if spec.cp == 1:
+        return jnp.arange(local)
+    table = jnp.asarray(zigzag.positions(seq_len, spec.cp, spec.layout).reshape(spec.cp, local), jnp.int32)
+    return jax.lax.dynamic_index_in_dim(table, jax.lax.axis_index(CP), 0, keepdims=False)
+
+
+def _attend(cfg: reference.ModelConfig, spec: ParallelSpec):
+    if spec.cp == 1:
+        return lambda q, k, v: reference.attention(q, k, v, causal=cfg.causal)
+    if spec.attention == "ulysses":
+        return lambda q, k, v: ulysses_attention_shard(q, k, v, axis=CP, causal=cfg.causal)
+    permute = "all_to_all" if spec.pp > 1 else "ppermute"     # inside a stage: collectives.ring_shift
+    return lambda q, k, v: ring_attention_shard(q, k, v, axis=CP, causal=cfg.causal, layout=spec.layout,
+                                                permute=permute)
+
+
+def _moe(p, z, *, cfg: reference.ModelConfig, spec: ParallelSpec):
+    """The MoE on this device's tokens z [mb, T', D]: experts over ep, their FFN over tp."""
+    sp = spec.sequence_parallel
+    zg = gather_from_sp(z, TP, 1) if sp else copy_to_tp(z, TP)                    # [mb, Tc, D]
+    B, T, D = zg.shape
+    experts = {k: p[k] for k in ("router", "w_up", "w_gate", "w_down") if k in p}
+    y, _, _ = ep_moe_shard(experts, zg.reshape(B * T, D), axis=EP if spec.ep > 1 else None, top_k=cfg.top_k,
+                           capacity_factor=None, kind=cfg.mlp, renormalize=cfg.moe_renormalize)
+    y = y.reshape(B, T, D)                                                         # partial sums over tp
+    return reduce_scatter_to_sp(y, TP, 1) if sp else reduce_from_tp(y, TP)
+
+
+def _block(p, x, *, cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int):
+    ffn = functools.partial(_moe, cfg=cfg, spec=spec) if cfg.n_experts else None
+    return block_shard(p, x, cfg=cfg, axis=TP, sequence_parallel=spec.sequence_parallel,
+                       positions=_positions(seq_len, spec), attend=_attend(cfg, spec), ffn=ffn)
+
+
+def _embed(first: dict, tokens, *, sp: bool):
+    return embedding_shard(first["embed"], tokens, axis=TP, sequence_parallel=sp)
+
+
+def _head(last: dict, y, targets, *, eps: float, sp: bool):
+    return lm_head_loss_shard(y, last["final_norm"], last["unembed"], targets, eps=eps, axis=TP,
+                              sequence_parallel=sp)
+
+
+@functools.cache
+def shard_fns(cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int):
+    """(stage_fn, first_fn, loss_fn) per shard, one object each per (cfg, spec, seq_len)."""
+    stage = runtime.layers(functools.partial(_block, cfg=cfg, spec=spec, seq_len=seq_len))
+    sp = spec.sequence_parallel
+    return (stage, functools.partial(_embed, sp=sp), functools.partial(_head, eps=cfg.norm_eps, sp=sp))
+
+
+def to_layout(tokens, spec: ParallelSpec):
+    """(inputs, targets) int[B, T] from tokens int[B, T+1], in the ring's token order."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if spec.cp > 1 and spec.layout != "contiguous":
+        inputs, targets = (zigzag.to_layout(a, spec.cp, spec.layout, axis=1) for a in (inputs, targets))
+    return inputs, targets
+
+
+def init(cfg: reference.ModelConfig, key=None, dtype=jnp.float32) -> dict:
+    """reference.init_params (a plain dict, the canonical layout)."""
+    return reference.init_params(jax.random.key(0) if key is None else key, cfg, dtype)
+
+
+def n_params(params: dict) -> int:
+    return int(sum(np.prod(a.shape) for a in jax.tree.leaves(params)))

@@ -1,0 +1,189 @@
+"""How the model is split: one `ParallelSpec`, checked against the model and the batch.
+
+    spec = ParallelSpec(dp=2, pp=2, tp=2, schedule="1f1b", microbatches=4)
+    spec.check(cfg, batch_size=16, seq_len=32)    # ConfigError listing EVERY violation
+    mesh = spec.mesh()                            # dp x pp x cp x ep x tp (tp innermost)
+
+The mesh has every axis of the spec (size-1 axes too, so one step serves every spec).
+Expert parallelism shares the data-parallel devices' role: the batch is split over
+(dp, ep), expert weights over ep, every other weight replicated over ep, so a device
+count is dp x pp x cp x ep x tp. `parse("dp=2,pp=2,tp=2")` reads the CLI's --mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxpar import errors, reference
+from jaxpar import mesh as mesh_lib
+from jaxpar.errors import ConfigError, is_whole
+from jaxpar.pipeline import orders
+from jaxpar.pipeline import schedule as schedule_lib
+
+AXES = ("dp", "pp", "cp", "ep", "tp")          # mesh order: tp innermost (mesh.AXIS_ORDER)
+ATTENTION = ("ring", "ulysses")
+LAYOUTS = ("contiguous", "zigzag")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelSpec:
+    """dp, pp, tp, cp, ep: the mesh. schedule, chunks (model chunks per device; None:
+    the schedule's own), microbatches: the pipeline. sequence_parallel: Megatron's SP on
+    the tp axis. recompute: keep only each stage's input between F and B. zero: 0, or 1
+    for ZeRO-1 (optimizer state sharded over dp). attention: ring or ulysses over cp;
+    layout: the ring's token order (zigzag balances causal work)."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    schedule: str = "1f1b"
+    chunks: int | None = None
+    microbatches: int = 1
+    sequence_parallel: bool = False
+    recompute: bool = False
+    zero: int = 0
+    attention: str = "ring"
+    layout: str = "contiguous"
+
+    def __post_init__(self):
+        problems = []
+        for name in AXES + ("microbatches",):
+            value = getattr(self, name)
+            if not is_whole(value) or not 1 <= value <= mesh_lib.MAX_DEVICES:
+                problems.append(f"{name}={value!r} must be a whole number in 1..{mesh_lib.MAX_DEVICES}")
+        if self.chunks is not None and (not is_whole(self.chunks) or not 1 <= self.chunks <= 64):
+            problems.append(f"chunks={self.chunks!r} must be None (the schedule's own) or a whole number in 1..64")
+        for name in ("sequence_parallel", "recompute"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.zero not in (0, 1) or isinstance(self.zero, bool):
+            problems.append(f"zero={self.zero!r} must be 0 (replicated optimizer state) or 1 (ZeRO-1: sharded "
+                            "over dp)")
+        if self.attention not in ATTENTION:
+            problems.append(f"attention={self.attention!r} must be one of {', '.join(ATTENTION)}")
+        if self.layout not in LAYOUTS:
+            problems.append(f"layout={self.layout!r} must be one of {', '.join(LAYOUTS)}")
+        if not isinstance(self.schedule, str) or self.schedule not in orders.REGISTRY:
+            problems.append(f"schedule={self.schedule!r} must be one of {', '.join(orders.REGISTRY)}")
+        _raise(problems, "ParallelSpec")
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.pp * self.cp * self.ep * self.tp
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in AXES}
+
+    def describe(self) -> str:
+        parts = [f"{a}{n}" for a, n in self.sizes.items() if n > 1] or ["1 device"]
+        extra = [self.schedule if self.pp > 1 else None, "sp" if self.sequence_parallel else None,
+                 "zero1" if self.zero else None, self.attention if self.cp > 1 else None,
+                 self.layout if self.cp > 1 and self.layout != "contiguous" else None,
+                 "recompute" if self.recompute else None]
+        return " x ".join(parts) + "".join(f" {e}" for e in extra if e)
+
+    def make_schedule(self) -> schedule_lib.Schedule:
+        return schedule_lib.make(self.schedule, stages=self.pp, microbatches=self.microbatches,
+                                 chunks=self.chunks)
+
+    @property
+    def virtual_chunks(self) -> int:
+        return orders.lookup(self.schedule).chunks if self.chunks is None else self.chunks
+
+    def mesh(self, devices=None):
+        """The mesh of this spec over `devices` (default: all of jax.devices())."""
+        devices = list(jax.devices() if devices is None else devices)
+        if len(devices) != self.devices:
+            raise ConfigError(f"{self.describe()} needs {self.devices} devices, {len(devices)} are available: "
+                              f"choose sizes whose product is {len(devices)} (or start {self.devices} fake CPU "
+                              f"devices: XLA_FLAGS=--xla_force_host_platform_device_count={self.devices})")
+        return mesh_lib.make_mesh(devices=devices, **self.sizes)
+
+    def problems(self, cfg: reference.ModelConfig, *, batch_size: int, seq_len: int,
+                 n_devices: int | None = None) -> list[str]:
+        """Every constraint this spec, `cfg` and a batch [batch_size, seq_len + 1] of token
+        ids violate, each naming the values and a fix (empty: it fits)."""
+        out = []
+        if not isinstance(cfg, reference.ModelConfig):
+            return [f"cfg is a {type(cfg).__name__}, not a reference.ModelConfig"]
+        for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+            if not is_whole(value) or value < 1:
+                out.append(f"{name}={value!r} must be a whole number >= 1")
+        if out:
+            return out
+        if n_devices is not None and n_devices != self.devices:
+            out.append(f"the mesh needs dp*pp*cp*ep*tp = {self.devices} devices, {n_devices} are available: "
+                       f"choose sizes whose product is {n_devices}")
+        stages = self.pp * self.virtual_chunks
+        if cfg.n_layers % stages:
+            out.append(f"n_layers={cfg.n_layers} does not split into pp*chunks = {self.pp}*{self.virtual_chunks} "
+                       f"= {stages} stages: use pp*chunks in ({errors.divisors(cfg.n_layers)})")
+        tp = self.tp
+        for name in ("n_heads", "vocab", "d_ff"):
+            if getattr(cfg, name) % tp:
+                out.append(f"{name}={getattr(cfg, name)} is not divisible by tp={tp}: each tp device holds "
+                           f"{name}/tp of it. Fix: tp in ({errors.divisors(getattr(cfg, name))})")
+        if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
+            out.append(f"n_kv_heads={cfg.n_kv_heads} and tp={tp}: one must divide the other (KV heads split over "
+                       f"tp, or each replicated over tp/K devices). Fix: tp in ({errors.divisors(cfg.n_kv_heads)}) "
+                       f"or a multiple of {cfg.n_kv_heads}")
+        if self.ep > 1 and not cfg.n_experts:
+            out.append(f"ep={self.ep} but the model is dense (n_experts=0): expert parallelism splits experts. "
+                       "Fix: ep=1, or n_experts > 0")
+        if cfg.n_experts and cfg.n_experts % self.ep:
+            out.append(f"n_experts={cfg.n_experts} is not divisible by ep={self.ep}: each ep device owns E/ep "
+                       f"whole experts. Fix: ep in ({errors.divisors(cfg.n_experts)})")
+        rows = self.dp * self.ep * self.microbatches
+        if batch_size % rows:
+            out.append(f"batch_size={batch_size} does not split into dp*ep*microbatches = {self.dp}*{self.ep}*"
+                       f"{self.microbatches} = {rows}: use a multiple of {rows}")
+        if seq_len < 1:
+            out.append(f"seq_len={seq_len}: give at least 1 position to predict")
+        per = self.cp * (2 if self.layout == "zigzag" and self.cp > 1 else 1) * (tp if self.sequence_parallel else 1)
+        if seq_len % per:
+            why = " x ".join(w for w in (f"cp={self.cp}", "2 (zigzag: two chunks per rank)" if per % 2 == 0 and
+                                         self.layout == "zigzag" and self.cp > 1 else "",
+                                         f"tp={tp} (sequence parallel)" if self.sequence_parallel else "") if w)
+            out.append(f"seq_len={seq_len} is not divisible by {why} = {per}: use a multiple of {per}")
+        if self.attention == "ulysses" and self.cp > 1 and (cfg.n_heads // max(tp, 1)) % self.cp:
+            out.append(f"Ulysses over cp={self.cp} splits each tp device's n_heads/tp = {cfg.n_heads // tp} heads: "
+                       f"use cp dividing {cfg.n_heads // tp}, or attention='ring'")
+        try:
+            self.make_schedule()
+        except ConfigError as e:
+            out.append(f"schedule: {e}")
+        return out
+
+    def check(self, cfg: reference.ModelConfig, *, batch_size: int, seq_len: int, n_devices: int | None = None):
+        """Raise one ConfigError listing every violated constraint (see `problems`)."""
+        _raise(self.problems(cfg, batch_size=batch_size, seq_len=seq_len, n_devices=n_devices),
+               f"{self.describe()} does not fit the model")
+        return self
+
+
+def _raise(problems: list[str], what: str) -> None:
+    if problems:
+        lines = "; ".join(f"({i + 1}) {p}" for i, p in enumerate(problems))
+        raise ConfigError(f"{what}: {len(problems)} problem{'s' if len(problems) > 1 else ''}: {lines}")
+
+
+def parse(text: str, **options) -> ParallelSpec:
+    """'dp=2,pp=2,tp=2' (the CLI's --mesh) -> ParallelSpec(dp=2, pp=2, tp=2, **options)."""
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError(f"--mesh {text!r}: give sizes like dp=2,pp=2,tp=2 (axes {', '.join(AXES)})")
+    sizes = {}
+    for part in text.replace(" ", "").split(","):
+        name, _, value = part.partition("=")
+        if name not in AXES or not value.isdigit():
+            raise ConfigError(f"--mesh {text!r}: {part!r} is not axis=size with an axis in {', '.join(AXES)} "
+                              "and a whole size, e.g. dp=2,pp=2,tp=2")
+        if name in sizes:
+            raise ConfigError(f"--mesh {text!r}: axis {name} given twice")
+        sizes[name] = int(value)
+    return ParallelSpec(**sizes, **options)
+

@@ -1,0 +1,301 @@
+"""ONE jitted training step: one shard_map over every axis (DESIGN.md "Composition").
+
+    trainer = Trainer(cfg, ParallelSpec(dp=2, pp=2, tp=2, microbatches=2), OptimConfig(),
+                      batch_size=8, seq_len=16)
+    state = trainer.init(jax.random.key(0))
+    state, metrics = trainer.step(state, tokens)     # tokens int[B, T+1]; metrics: loss, norm, lr
+
+Inside the one shard_map, on every device:
+  1. the pipeline program over pp (`pipeline.runtime.local`: any schedule), whose stages
+     are the composed blocks of `model.py` (TP/SP over tp, ring or Ulysses over cp, the
+     MoE over ep), the vocab-parallel embedding on the first stage and the LM head and
+     cross-entropy on the last;
+  2. one gradient reduction: each weight's gradient summed over the batch axes
+     (dp, ep, cp) its spec does not split; the embedding's and the head's also over pp
+     (only their stage's device holds a nonzero one). Under ZeRO-1 the dp part of the
+     sum is a reduce-scatter instead: each dp rank gets its dp-th of the gradient
+     (along one dimension its shard divides), updates that dp-th of the weight with its
+     dp-th of the optimizer state, and an all-gather over dp rebuilds the weight;
+  3. the true global gradient norm (`optim.global_norm`), clipping, optax AdamW.
+
+The state between steps (`TrainState`) holds the blocks in the pipeline's stage layout
+[pp, v, L/(pp v), ...] split over pp, the rest as their specs say; `canonical` turns it
+into reference.init_params's structure (what checkpoints hold, whatever the mesh).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import reference
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import DP, PP
+from jaxpar.pipeline import runtime
+from jaxpar.pipeline.stage import from_stages, spec_axes, to_stages
+from jaxpar.train import model as model_lib
+from jaxpar.train import optim as optim_lib
+from jaxpar.train.spec import ParallelSpec
+
+
+class TrainState(NamedTuple):
+    step: jax.Array        # int32 scalar: steps taken
+    params: dict           # {"blocks": stage layout, "first": {"embed"}, "last": {"final_norm", "unembed"}}
+    opt: Any               # optax AdamW state, mu and nu laid out as params (ZeRO-1: also split over dp)
+
+
+def split(params: dict) -> dict:
+    """reference.init_params's dict -> {"blocks", "first", "last"} (blocks still [L, ...])."""
+    return {"blocks": params["blocks"], "first": {"embed": params["embed"]},
+            "last": {"final_norm": params["final_norm"], "unembed": params["unembed"]}}
+
+
+def join(tree: dict) -> dict:
+    return {"embed": tree["first"]["embed"], "blocks": tree["blocks"], **tree["last"]}
+
+
+def _zero_dim(local_shape: tuple[int, ...], dp: int, skip: int) -> int:
+    """The dimension a ZeRO-1 leaf is split over dp along: the largest local dimension
+    (after the first `skip`) dp divides; -1 when none does (the state stays whole)."""
+    best = -1
+    for d in range(skip, len(local_shape)):
+        if local_shape[d] % dp == 0 and (best < 0 or local_shape[d] > local_shape[best]):
+            best = d
+    return best
+
+
+def _with_unit(spec: P) -> P:
+    """spec with pp (of size 1) added to its first dimension."""
+    e = spec[0] if len(spec) else None
+    return P(PP if e is None else (*(e if isinstance(e, tuple) else (e,)), PP), *spec[1:])
+
+
+def _with_dp(spec: P, dim: int, ndim: int) -> P:
+    entries = list(spec) + [None] * (ndim - len(spec))
+    e = entries[dim]
+    entries[dim] = DP if e is None else (*(e if isinstance(e, tuple) else (e,)), DP)
+    return P(*entries)
+
+
+@dataclasses.dataclass(eq=False)
+class Trainer:
+    """The model `cfg` trained on `spec`'s mesh with `optim`, on batches int[batch_size,
+    seq_len + 1]. Everything is checked (ConfigError listing every problem) before
+    anything compiles."""
+
+    cfg: reference.ModelConfig
+    spec: ParallelSpec
+    optim: optim_lib.OptimConfig = dataclasses.field(default_factory=optim_lib.OptimConfig)
+    batch_size: int = 8
+    seq_len: int = 16
+    devices: Any = None
+    dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        if not isinstance(self.spec, ParallelSpec):
+            raise ConfigError(f"spec is a {type(self.spec).__name__}, not a jaxpar.train.ParallelSpec")
+        if not isinstance(self.optim, optim_lib.OptimConfig):
+            raise ConfigError(f"optim is a {type(self.optim).__name__}, not a jaxpar.train.OptimConfig")
+        devices = list(jax.devices() if self.devices is None else self.devices)
+        self.spec.check(self.cfg, batch_size=self.batch_size, seq_len=self.seq_len, n_devices=len(devices))
+        spec, cfg = self.spec, self.cfg
+        self.mesh = spec.mesh(devices)
+        self.schedule = spec.make_schedule()
+        stage_fn, first_fn, loss_fn = model_lib.shard_fns(cfg, spec, self.seq_len)
+        layer_specs, first_specs, last_specs = model_lib.specs(cfg, spec)
+        shapes = split(jax.eval_shape(lambda: reference.init_params(jax.random.key(0), cfg, self.dtype)))
+        ids = jax.ShapeDtypeStruct((self.batch_size, self.seq_len), jnp.int32)
+        row_axes = tuple(a for a in ("dp", "ep") if spec.sizes[a] > 1)
+        batch_spec = P(row_axes if len(row_axes) > 1 else row_axes[0] if row_axes else None,
+                       "cp" if spec.cp > 1 else None)
+        self.local = runtime.local(
+            self.schedule, stage_fn, shapes["blocks"], (ids, ids), mesh=self.mesh, loss_fn=loss_fn,
+            recompute=spec.recompute, input_grads=False, param_specs=layer_specs, batch_spec=batch_spec,
+            first_fn=first_fn, first_params=shapes["first"], first_specs=first_specs, last_params=shapes["last"],
+            last_specs=last_specs)
+        req = self.local.request
+        self.batch_spec = req.in_spec
+        # over pp of one device the program's values still vary over pp (a psum over a group
+        # of one would stay in the program): their specs name pp, which splits nothing
+        unit = (lambda s: _with_unit(s)) if spec.pp == 1 else (lambda s: s)
+        is_p = lambda x: isinstance(x, P)
+        self.param_specs = {"blocks": jax.tree.map(runtime.staged, req.param_specs),
+                            "first": jax.tree.map(unit, req.first_specs, is_leaf=is_p),
+                            "last": jax.tree.map(unit, req.last_specs, is_leaf=is_p)}
+        self.metric_spec = P(PP) if spec.pp == 1 else P(None)
+        self.tx = self.optim.transform()
+        self.shapes = jax.eval_shape(lambda: self._staged(split(reference.init_params(
+            jax.random.key(0), cfg, self.dtype))))
+        self._plan_zero()
+        opt_shapes = jax.eval_shape(self.tx.init, self.shapes)
+        self.opt_specs = optax.tree_map_params(self.tx, lambda _, s: s, opt_shapes, self.state_param_specs,
+                                               transform_non_params=lambda _: P())
+        self.state_specs = TrainState(step=P(), params=self.param_specs, opt=self.opt_specs)
+        self.shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_specs,
+                                      is_leaf=lambda x: isinstance(x, P))
+        self._step = self._build()
+
+    # ---- layout ---------------------------------------------------------------------------
+
+    def _staged(self, tree: dict) -> dict:
+        return {**tree, "blocks": to_stages(tree["blocks"], self.schedule)}
+
+    def _plan_zero(self):
+        """Per leaf: the dimension ZeRO-1 splits its optimizer state along (None: whole)."""
+        dp, is_p = self.spec.dp, lambda x: isinstance(x, P)
+        local = lambda shape, spec: tuple(
+            n // math.prod(self.mesh.shape[a] for a in spec_axes(P(e))) if e is not None else n
+            for n, e in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))))
+        if self.spec.zero and dp > 1:
+            dims = {k: jax.tree.map(lambda a, s, k=k: _zero_dim(local(a.shape, s), dp, 1 if k == "blocks" else 0),
+                                    self.shapes[k], self.param_specs[k]) for k in self.shapes}
+        else:
+            dims = jax.tree.map(lambda _: -1, self.shapes)
+        self.zero_dims = dims
+        self.state_param_specs = jax.tree.map(
+            lambda s, d, a: s if d < 0 else _with_dp(s, d, a.ndim), self.param_specs, dims, self.shapes,
+            is_leaf=is_p)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def _build(self):
+        program, req = self.local.program, self.local.request
+        m, tx, clip = self.schedule.microbatches, self.tx, self.optim.clip
+        batch_axes = req.batch_axes
+        pp = (PP,) if self.spec.pp > 1 else ()
+        zero_dims = self.zero_dims
+        dp_split = self.spec.zero and self.spec.dp > 1
+
+        def reduce(g, spec, dim, extra):
+            over = tuple(a for a in batch_axes if a not in spec_axes(spec)) + extra
+            if dim < 0:
+                return jax.lax.psum(g, over) if over else g
+            rest = tuple(a for a in over if a != DP)
+            g = jax.lax.psum(g, rest) if rest else g
+            return jax.lax.psum_scatter(g, DP, scatter_dimension=dim, tiled=True)
+
+        def mine(a, dim):       # this dp rank's part of a weight (ZeRO-1)
+            if dim < 0:
+                return a
+            n = a.shape[dim] // self.spec.dp
+            return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(DP) * n, n, axis=dim)
+
+        def gather(a, dim):
+            return a if dim < 0 else jax.lax.all_gather(a, DP, axis=dim, tiled=True, to="invarying")
+
+        def per_device(state, inputs, targets):
+            params = state.params
+            split_mb = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])
+            blocks = jax.tree.map(lambda a: a[0], params["blocks"])
+            loss, g_blocks, _, g_first, g_last = program(blocks, split_mb(inputs), split_mb(targets),
+                                                         params["first"], params["last"])
+            over = batch_axes + pp
+            loss = jax.lax.psum(loss, over) if over else loss
+            grads = {"blocks": jax.tree.map(lambda a: a[None], g_blocks), "first": g_first, "last": g_last}
+            grads = {k: jax.tree.map(lambda g, s, d, k=k: reduce(g, s, d, () if k == "blocks" else pp),
+                                     grads[k], self.param_specs[k], zero_dims[k]) for k in grads}
+            norm = optim_lib.global_norm(grads)
+            grads = optim_lib.clip(grads, norm, clip)
+            own = jax.tree.map(mine, params, zero_dims) if dp_split else params
+            updates, opt = tx.update(grads, state.opt, own)
+            new = optax.apply_updates(own, updates)
+            new = jax.tree.map(gather, new, zero_dims) if dp_split else new
+            lr = self.optim.schedule()(state.step)
+            return TrainState(step=state.step + 1, params=new, opt=opt), dict(loss=loss[None], norm=norm[None],
+                                                                              lr=lr)
+
+        metric_specs = dict(loss=self.metric_spec, norm=self.metric_spec, lr=P())
+        sharded = jax.shard_map(per_device, mesh=self.mesh, in_specs=(self.state_specs, req.in_spec, req.target_spec),
+                                out_specs=(self.state_specs, metric_specs))
+        spec = self.spec
+
+        def step(state, tokens):
+            inputs, targets = model_lib.to_layout(tokens, spec)
+            state, metrics = sharded(state, inputs, targets)
+            return state, {**metrics, "loss": metrics["loss"][0], "norm": metrics["norm"][0]}
+        return jax.jit(step, donate_argnums=(0,), compiler_options=runtime.compiler_options(self.mesh))
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def init(self, key=None) -> TrainState:
+        """A fresh state from reference.init_params(key, cfg) (the same weights on every mesh)."""
+        key = jax.random.key(0) if key is None else key
+        return self.from_canonical(reference.init_params(key, self.cfg, self.dtype))
+
+    def from_canonical(self, params: dict, opt=None, step=0) -> TrainState:
+        """A state on this mesh from reference-structured params (and an optimizer state in
+        the canonical layout, `canonical`'s second output; None: a fresh one)."""
+        def build(params, opt, step):
+            staged = self._staged(split(params))
+            opt = self.tx.init(staged) if opt is None else self._opt_map(opt, lambda a, k: to_stages(
+                a, self.schedule) if k else a)
+            return TrainState(step=jnp.asarray(step, jnp.int32), params=staged, opt=opt)
+        return jax.jit(build, out_shardings=self.shardings)(params, opt, step)
+
+    def canonical(self, state: TrainState) -> tuple[dict, Any, jax.Array]:
+        """(params as reference.init_params, optimizer state with mu/nu in that layout,
+        step): the same numbers on any mesh, replicated."""
+        def unstage(state):
+            params = join({**state.params, "blocks": from_stages(state.params["blocks"], self.schedule)})
+            opt = self._opt_map(state.opt, lambda a, k: from_stages(a, self.schedule) if k else a)
+            return params, opt, state.step
+        return jax.jit(unstage, out_shardings=NamedSharding(self.mesh, P()))(state)
+
+    def _opt_map(self, opt, fn):
+        kinds = {"blocks": jax.tree.map(lambda _: True, self.shapes["blocks"]),
+                 "first": jax.tree.map(lambda _: False, self.shapes["first"]),
+                 "last": jax.tree.map(lambda _: False, self.shapes["last"])}
+        return optax.tree_map_params(self.tx, fn, opt, kinds, transform_non_params=lambda a: a)
+
+    def put(self, tokens) -> jax.Array:
+        """A host batch int[B, T+1] as a global array on the mesh (every process passes the
+        same batch; each device gets its part)."""
+        tokens = np.asarray(tokens)
+        if tokens.shape != (self.batch_size, self.seq_len + 1) or tokens.dtype.kind not in "iu":
+            raise ConfigError(f"tokens {tokens.shape} {tokens.dtype}: this trainer takes int[batch_size="
+                              f"{self.batch_size}, seq_len+1={self.seq_len + 1}]")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab):
+            raise ConfigError(f"token ids in [{tokens.min()}, {tokens.max()}]: they must lie in [0, vocab="
+                              f"{self.cfg.vocab})")
+        tokens = tokens.astype(np.int32)
+        return jax.make_array_from_callback(tokens.shape, NamedSharding(self.mesh, P()), lambda i: tokens[i])
+
+    def step(self, state: TrainState, tokens) -> tuple[TrainState, dict]:
+        """One step on tokens int[B, T+1] (host data, or `put`'s array). The state is
+        donated: use the returned one."""
+        if not (isinstance(tokens, jax.Array) and tokens.sharding == NamedSharding(self.mesh, P())):
+            tokens = self.put(tokens)
+        return self._step(state, tokens)
+
+    def lower(self, state: TrainState | None = None):
+        state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                             self.abstract_state(), self.shardings) if state is None else state
+        tokens = jax.ShapeDtypeStruct((self.batch_size, self.seq_len + 1), jnp.int32,
+                                      sharding=NamedSharding(self.mesh, P()))
+        return self._step.lower(state, tokens)
+
+    def abstract_state(self) -> TrainState:
+        return jax.eval_shape(lambda: TrainState(step=jnp.zeros((), jnp.int32), params=self.shapes,
+                                                 opt=self.tx.init(self.shapes)))
+
+
+def reference_trainer(cfg: reference.ModelConfig, optim: optim_lib.OptimConfig):
+    """The unsharded step the parity tests compare against: (params, opt, tokens) ->
+    (params, opt, loss, norm), reference.loss with optax.global_norm and the same AdamW."""
+    tx = optim.transform()
+
+    @jax.jit
+    def step(params, opt, tokens):
+        loss, grads = jax.value_and_grad(reference.loss)(params, tokens, cfg)
+        norm = optax.global_norm(grads)
+        updates, opt = tx.update(optim_lib.clip(grads, norm, optim.clip), opt, params)
+        return optax.apply_updates(params, updates), opt, loss, norm
+    return tx, step

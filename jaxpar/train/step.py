@@ -240,14 +240,19 @@ class Trainer:
             return TrainState(step=jnp.asarray(step, jnp.int32), params=staged, opt=opt)
         return jax.jit(build, out_shardings=self.shardings)(params, opt, step)
 
+    def _unstage(self, state: TrainState):
+        params = join({**state.params, "blocks": from_stages(state.params["blocks"], self.schedule)})
+        opt = self._opt_map(state.opt, lambda a, k: from_stages(a, self.schedule) if k else a)
+        return params, opt, state.step
+
     def canonical(self, state: TrainState) -> tuple[dict, Any, jax.Array]:
         """(params as reference.init_params, optimizer state with mu/nu in that layout,
         step): the same numbers on any mesh, replicated."""
-        def unstage(state):
-            params = join({**state.params, "blocks": from_stages(state.params["blocks"], self.schedule)})
-            opt = self._opt_map(state.opt, lambda a, k: from_stages(a, self.schedule) if k else a)
-            return params, opt, state.step
-        return jax.jit(unstage, out_shardings=NamedSharding(self.mesh, P()))(state)
+        return jax.jit(self._unstage, out_shardings=NamedSharding(self.mesh, P()))(state)
+
+    def canonical_abstract(self):
+        """The shapes and dtypes `canonical` returns."""
+        return jax.eval_shape(self._unstage, self.abstract_state())
 
     def _opt_map(self, opt, fn):
         kinds = {"blocks": jax.tree.map(lambda _: True, self.shapes["blocks"]),

@@ -1,4 +1,9 @@
-"""Composition proven: `jaxpar verify pp-tp` and its tour row.
+"""Composition proven: `jaxpar verify pp-tp`, `jaxpar verify train`, their tour rows.
+
+`parity(spec, steps=20)`: the composed model trained for 20 steps on `spec`'s mesh
+(`step.Trainer`) against the unsharded model (`step.reference_trainer`: reference.loss,
+optax.global_norm, the same AdamW), batch for batch: every step's loss and gradient
+norm, and every parameter after the last step, to 1e-5 relative in float32.
 
 The reference model pipelined over pp with tensor-parallel stages over tp, the
 vocab-parallel embedding first and the LM head with the vocab-parallel cross-entropy last
@@ -9,6 +14,8 @@ inside the stage's branches and are reported as the upper bound the HLO gives.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 
 import jax
@@ -20,6 +27,10 @@ from jaxpar import mesh as mesh_lib
 from jaxpar.pipeline import formulas, runtime, schedule
 from jaxpar.testing import Result, compare
 from jaxpar.train import stages
+from jaxpar.train.data import Corpus
+from jaxpar.train.optim import OptimConfig
+from jaxpar.train.spec import ParallelSpec
+from jaxpar.train.step import Trainer, reference_trainer
 
 CFG = reference.ModelConfig(n_layers=4, d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=32, mlp="swiglu",
                             vocab=32)
@@ -59,3 +70,83 @@ def check_pp_tp(name: str = "1f1b", microbatches: int = 2) -> Result:
                   passed=within and measured == expected, seconds=time.perf_counter() - start,
                   note=f"loss and every grad vs reference.loss; tp/dp all-reduces: at most {bound['count']} "
                        f"({bound['in_conditional']} inside the stage branches)")
+
+
+# ---- training parity ------------------------------------------------------------------------
+
+DENSE = reference.ModelConfig(n_layers=4, d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=32, mlp="swiglu",
+                              vocab=32, rope_theta=10000.0)
+MOE = dataclasses.replace(DENSE, n_experts=4, top_k=2)
+DEEP = dataclasses.replace(DENSE, n_layers=16)          # pp8 x 2 chunks
+OPTIM = OptimConfig(lr=1e-2, warmup=3, steps=20, clip=0.5)   # clip < the norms seen: clipping is exercised
+
+# the issue's meshes (DESIGN.md "Composition"), each with the model it needs
+MESHES: dict[str, tuple[ParallelSpec, reference.ModelConfig, int]] = {
+    "1 device": (ParallelSpec(), DENSE, 8),
+    "dp2 pp2 tp2": (ParallelSpec(dp=2, pp=2, tp=2, microbatches=2), DENSE, 8),
+    "pp2 tp2 cp2": (ParallelSpec(pp=2, tp=2, cp=2, microbatches=2, layout="zigzag"), DENSE, 8),
+    "dp2 ep2 tp2": (ParallelSpec(dp=2, ep=2, tp=2, sequence_parallel=True, zero=1), MOE, 8),
+    "pp2 cp2 ep2": (ParallelSpec(pp=2, cp=2, ep=2, microbatches=2), MOE, 8),
+    "dp8": (ParallelSpec(dp=8, zero=1), DENSE, 8),
+    "pp8 interleaved": (ParallelSpec(pp=8, schedule="interleaved", microbatches=8), DEEP, 8),
+    "pp8 dualpipe-v": (ParallelSpec(pp=8, schedule="dualpipe-v", microbatches=16), DEEP, 16),
+}
+
+
+@functools.cache
+def reference_run(cfg: reference.ModelConfig, optim: OptimConfig, steps: int, batch_size: int, seq_len: int,
+                  dtype_name: str = "float32"):
+    """(losses, norms, final params) of the unsharded model on the corpus' batches."""
+    dtype = jnp.dtype(dtype_name)
+    tx, step = reference_trainer(cfg, optim)
+    params = reference.init_params(jax.random.key(0), cfg, dtype)
+    opt = tx.init(params)
+    corpus, losses, norms = Corpus(vocab=cfg.vocab), [], []
+    for i in range(steps):
+        params, opt, loss, norm = step(params, opt, jnp.asarray(corpus.batch(i, batch_size=batch_size,
+                                                                               seq_len=seq_len)))
+        losses.append(float(loss))
+        norms.append(float(norm))
+    return np.array(losses), np.array(norms), jax.device_get(params)
+
+
+def parity(spec: ParallelSpec, cfg: reference.ModelConfig = DENSE, *, steps: int = 20, batch_size: int = 8,
+           seq_len: int = 16, optim: OptimConfig = OPTIM, dtype=jnp.float32, devices=None) -> Result:
+    """`steps` steps on `spec` against the unsharded model: max relative error of the
+    losses, the gradient norms and the final parameters (each leaf's max abs error over
+    its max abs value)."""
+    start = time.perf_counter()
+    devices = list(jax.devices()[:spec.devices] if devices is None else devices)
+    trainer = Trainer(cfg, spec, optim, batch_size=batch_size, seq_len=seq_len, devices=devices, dtype=dtype)
+    corpus = Corpus(vocab=cfg.vocab)
+    state, losses, norms = trainer.init(jax.random.key(0)), [], []
+    for i in range(steps):
+        state, m = trainer.step(state, corpus.batch(i, batch_size=batch_size, seq_len=seq_len))
+        losses.append(float(m["loss"]))
+        norms.append(float(m["norm"]))
+    params = jax.device_get(trainer.canonical(state)[0])
+    ref_losses, ref_norms, ref_params = reference_run(cfg, optim, steps, batch_size, seq_len, jnp.dtype(dtype).name)
+    rel = lambda a, b: float(np.max(np.abs(np.asarray(a) - b)) / max(np.max(np.abs(b)), 1e-30))
+    errors = {"losses": rel(losses, ref_losses), "grad norms": rel(norms, ref_norms),
+              "params": max(rel(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)))}
+    rtol = 1e-5 if jnp.dtype(dtype) == jnp.float32 else 1e-12
+    return Result(name=f"train {spec.describe()}, {steps} steps", mesh=mesh_lib.describe(trainer.mesh),
+                  errors=errors, tolerance=(rtol, 0.0), passed=max(errors.values()) <= rtol,
+                  seconds=time.perf_counter() - start,
+                  note=f"relative to the unsharded model; loss {ref_losses[0]:.3f} -> {ref_losses[-1]:.3f}"
+                       + (", MoE" if cfg.n_experts else ""))
+
+
+TOUR = ("dp2 pp2 tp2", "pp2 cp2 ep2")
+
+
+def check_train(names=None) -> list[Result]:
+    """The tour's rows: 20 steps on each of `names` (default TOUR; on fewer than 8
+    devices, the meshes that fit)."""
+    n = len(jax.devices())
+    out = []
+    for name in TOUR if names is None else names:
+        spec, cfg, batch = MESHES[name]
+        if spec.devices <= n:
+            out.append(parity(spec, cfg, batch_size=batch))
+    return out

@@ -1,0 +1,96 @@
+"""The training loop: batches from the corpus, the step, a progress bar, checkpoints,
+and resuming where a killed run left off.
+
+    state, history = fit(trainer, steps=200, checkpoints=Checkpoints("ckpt", every=20))
+
+Batch i is `corpus.batch(i, ...)` whatever happened before, and a resumed run restores
+the latest intact checkpoint (on whatever mesh `trainer` has), so its losses are the
+uninterrupted run's. `log=` appends one JSON line per step (flushed: a killed run's log
+is complete up to its last step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+
+import jax
+
+from jaxpar.train.checkpoint import Checkpoints
+from jaxpar.train.data import Corpus
+from jaxpar.train.step import Trainer, TrainState
+
+
+@dataclasses.dataclass
+class History:
+    steps: list = dataclasses.field(default_factory=list)
+    losses: list = dataclasses.field(default_factory=list)
+    norms: list = dataclasses.field(default_factory=list)
+    lrs: list = dataclasses.field(default_factory=list)
+    seconds: list = dataclasses.field(default_factory=list)     # wall time of each step (the first compiles)
+    resumed_from: int | None = None
+
+    def tokens_per_second(self, tokens_per_step: int) -> float:
+        """Over the steps after the first (which compiles)."""
+        timed = self.seconds[1:] or self.seconds
+        return tokens_per_step * len(timed) / max(sum(timed), 1e-12)
+
+    def step_seconds(self) -> float:
+        timed = self.seconds[1:] or self.seconds
+        return sum(timed) / max(len(timed), 1)
+
+
+def _bar(i: int, total: int, loss: float, tok_s: float, ms: float) -> str:
+    width = 24
+    done = int(width * i / max(total, 1))
+    return (f"\r[{'#' * done}{'.' * (width - done)}] step {i}/{total}  loss {loss:.4f}  "
+            f"{tok_s:,.0f} tok/s  {ms:.0f} ms/step")
+
+
+def fit(trainer: Trainer, *, steps: int, corpus: Corpus | None = None, state: TrainState | None = None,
+        checkpoints: Checkpoints | None = None, log: str | None = None, progress: bool = True,
+        key=None) -> tuple[TrainState, History]:
+    """Train to `steps` steps in all; resume from `checkpoints`' latest step when it has
+    one (and no `state` is given)."""
+    corpus = Corpus(vocab=trainer.cfg.vocab) if corpus is None else corpus
+    history = History()
+    if state is None and checkpoints is not None and checkpoints.latest() is not None:
+        state = checkpoints.restore(trainer)
+        history.resumed_from = int(jax.device_get(state.step))
+    if state is None:
+        state = trainer.init(key)
+    start = int(jax.device_get(state.step))
+    tokens = trainer.batch_size * trainer.seq_len
+    out = open(log, "a") if log else None
+    try:
+        for i in range(start, steps):
+            batch = trainer.put(corpus.batch(i, batch_size=trainer.batch_size, seq_len=trainer.seq_len))
+            t0 = time.perf_counter()
+            state, metrics = trainer.step(state, batch)
+            loss = float(metrics["loss"])
+            dt = time.perf_counter() - t0
+            history.steps.append(i)
+            history.losses.append(loss)
+            history.norms.append(float(metrics["norm"]))
+            history.lrs.append(float(metrics["lr"]))
+            history.seconds.append(dt)
+            if out:
+                out.write(json.dumps({"step": i, "loss": loss, "norm": history.norms[-1],
+                                      "lr": history.lrs[-1]}) + "\n")
+                out.flush()
+            if checkpoints is not None:
+                checkpoints.maybe_save(trainer, state)
+            if progress:
+                sys.stderr.write(_bar(i + 1, steps, loss, history.tokens_per_second(tokens),
+                                      1e3 * history.step_seconds()))
+                sys.stderr.flush()
+        if progress and steps > start:
+            sys.stderr.write("\n")
+        if checkpoints is not None:
+            checkpoints.wait()
+    finally:
+        if out:
+            out.close()
+    return state, history

@@ -67,7 +67,22 @@ def use_cpu_devices(n: int) -> int:
         )
     if not flags:
         jax.config.update("jax_num_cpu_devices", n)
+    _enough_threads(wanted)
     return wanted
+
+
+def _enough_threads(devices: int) -> None:
+    """Give XLA:CPU's thread pool room for every fake device's blocked collectives.
+
+    XLA:CPU runs the independent operations of a program concurrently on one pool of
+    threads (as many as cores, or NPROC), and a collective holds its thread until every
+    member of its group arrives. With 8 fake devices on 2 cores, two ready collectives
+    per device (a pipeline send and the next stage's tp all-reduce) can take every thread
+    while their partners wait for one: the program hangs. So the pool gets at least 8
+    threads per device (NPROC, read by XLA's CPU client when it starts); a value the
+    user set is kept. Other backends are unaffected."""
+    if "NPROC" not in os.environ:
+        os.environ["NPROC"] = str(max(os.cpu_count() or 1, 8 * devices))
 
 
 def make_mesh(*, devices: Sequence[jax.Device] | None = None, **sizes: int) -> Mesh:

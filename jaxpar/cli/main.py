@@ -6,6 +6,7 @@
     jaxpar memory --tp 8 --sp        one layer's activations, term by term (lecture 4)
     jaxpar plan --model llama3-8b    the 3D/4D planner (lecture 7)
     jaxpar exercise 3                the lecture's exercises 1, 3, 7, 8
+    jaxpar train --mesh dp=2,pp=2,tp=2 --steps 200   the composed model trained (lecture 7)
 
 A subcommand module (COMMANDS) exposes HELP, FLAGS (the library's Python names and the
 flags that set them), add_arguments(parser) and main(args) -> int. A ConfigError (input
@@ -30,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "memory": "jaxpar.cli.memory",
     "plan": "jaxpar.cli.plan",
     "exercise": "jaxpar.cli.exercise",
+    "train": "jaxpar.cli.train",
 }
 
 

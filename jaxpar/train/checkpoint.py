@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 
 import jax
@@ -100,6 +99,16 @@ class Checkpoints:
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Finish pending saves and release orbax's background threads."""
+        self.manager.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def restore(self, trainer, step: int | None = None):
         """The state saved at `step` (default: the latest), laid out for `trainer`."""

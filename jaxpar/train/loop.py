@@ -51,9 +51,9 @@ def _bar(i: int, total: int, loss: float, tok_s: float, ms: float) -> str:
 
 def fit(trainer: Trainer, *, steps: int, corpus: Corpus | None = None, state: TrainState | None = None,
         checkpoints: Checkpoints | None = None, log: str | None = None, progress: bool = True,
-        key=None) -> tuple[TrainState, History]:
+        key=None, on_step=None) -> tuple[TrainState, History]:
     """Train to `steps` steps in all; resume from `checkpoints`' latest step when it has
-    one (and no `state` is given)."""
+    one (and no `state` is given). on_step(i, metrics) runs after each step."""
     corpus = Corpus(vocab=trainer.cfg.vocab) if corpus is None else corpus
     history = History()
     if state is None and checkpoints is not None and checkpoints.latest() is not None:
@@ -82,6 +82,8 @@ def fit(trainer: Trainer, *, steps: int, corpus: Corpus | None = None, state: Tr
                 out.flush()
             if checkpoints is not None:
                 checkpoints.maybe_save(trainer, state)
+            if on_step is not None:
+                on_step(i, metrics)
             if progress:
                 sys.stderr.write(_bar(i + 1, steps, loss, history.tokens_per_second(tokens),
                                       1e3 * history.step_seconds()))

@@ -1,0 +1,101 @@
+"""`jaxpar train`: the composed model trained on a dp x pp x tp x cp x ep mesh.
+
+    jaxpar train --mesh dp=2,pp=2,tp=2 --schedule 1f1b --steps 200
+    jaxpar train --mesh pp=2,cp=2,ep=2 --experts 4 --microbatches 2 --steps 50
+    jaxpar train --mesh dp=4,tp=2 --sp --zero 1 --checkpoint run/ckpt --every 20   (resumes if killed)
+
+Ends with a summary: loss curve PNG, tokens/s, memory per device (compiled), and the
+collectives of one step against the techniques' formulas (`jaxpar.train.summary`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+FLAGS = {"dp": "--mesh dp", "pp": "--mesh pp", "tp": "--mesh tp", "cp": "--mesh cp", "ep": "--mesh ep",
+         "microbatches": "--microbatches", "batch_size": "--batch", "seq_len": "--seq", "n_layers": "--layers",
+         "n_heads": "--heads", "n_kv_heads": "--kv-heads", "vocab": "--vocab", "n_experts": "--experts",
+         "d_ff": "--ffn", "chunks": "--chunks", "zero": "--zero", "attention": "--attention", "layout": "--layout",
+         "schedule": "--schedule", "steps": "--steps", "warmup": "--warmup", "lr": "--lr", "every": "--every"}
+HELP = "train the composed model on a dp x pp x tp x cp x ep mesh (lecture 7), with a summary"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mesh", default="dp=2,pp=2,tp=2", help="axis sizes, e.g. dp=2,pp=2,tp=2 (dp pp cp ep tp)")
+    parser.add_argument("--schedule", default="1f1b", help="naive gpipe 1f1b interleaved zb-h1 zb-h2 dualpipe-v")
+    parser.add_argument("--microbatches", type=int, default=None, help="microbatches (default: 2 x pp)")
+    parser.add_argument("--chunks", type=int, default=None, help="model chunks per device (interleaved)")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism on tp")
+    parser.add_argument("--recompute", action="store_true", help="keep only each stage's input between F and B")
+    parser.add_argument("--zero", type=int, default=0, help="1: ZeRO-1, optimizer state sharded over dp")
+    parser.add_argument("--attention", default="ring", help="ring or ulysses over cp")
+    parser.add_argument("--layout", default="contiguous", help="contiguous or zigzag (ring over cp)")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: fits the mesh)")
+    parser.add_argument("--seq", type=int, default=32, help="tokens per sequence")
+    parser.add_argument("--layers", type=int, default=None, help="layers (default: 2 per stage)")
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--ffn", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense)")
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps / 10)")
+    parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--checkpoint", default=None, help="directory: save every --every steps, resume from it")
+    parser.add_argument("--every", type=int, default=20)
+    parser.add_argument("--out", default="jaxpar-train", help="where the loss curve goes (default jaxpar-train/)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--devices", type=int, default=None, help="fake CPU devices (default: the mesh's)")
+    parser.add_argument("--platform", choices=["cpu", "default"], default="default")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def main(args) -> int:
+    from jaxpar.train import spec as spec_lib
+
+    spec = spec_lib.parse(args.mesh, schedule=args.schedule, chunks=args.chunks, sequence_parallel=args.sp,
+                          recompute=args.recompute, zero=args.zero, attention=args.attention, layout=args.layout,
+                          microbatches=1)
+    m = 2 * spec.pp if args.microbatches is None else args.microbatches
+    spec = spec_lib.ParallelSpec(**{**spec.__dict__, "microbatches": m})
+
+    import jax
+
+    from jaxpar import mesh, reference
+    from jaxpar.train.checkpoint import Checkpoints
+    from jaxpar.train.loop import fit
+    from jaxpar.train.optim import OptimConfig
+    from jaxpar.train.step import Trainer
+    from jaxpar.train.summary import format_summary, summarize
+
+    if args.platform == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+    mesh.use_cpu_devices(spec.devices if args.devices is None else args.devices)
+    layers = 2 * spec.pp * spec.virtual_chunks if args.layers is None else args.layers
+    cfg = reference.ModelConfig(n_layers=layers, d_model=args.d_model, n_heads=args.heads, n_kv_heads=args.kv_heads,
+                                head_dim=max(2, args.d_model // args.heads), d_ff=args.ffn, vocab=args.vocab,
+                                mlp="swiglu", n_experts=args.experts, top_k=min(args.top_k, max(args.experts, 1)),
+                                rope_theta=10000.0)
+    batch = spec.dp * spec.ep * m if args.batch is None else args.batch
+    warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
+    optim = OptimConfig(lr=args.lr, warmup=min(warmup, args.steps), steps=args.steps, clip=args.clip)
+    trainer = Trainer(cfg, spec, optim, batch_size=batch, seq_len=args.seq, devices=jax.devices()[:spec.devices])
+    ckpt = Checkpoints(args.checkpoint, every=args.every) if args.checkpoint else None
+    _, history = fit(trainer, steps=args.steps, checkpoints=ckpt, progress=not (args.quiet or args.json))
+    summary = summarize(trainer, history, out=args.out)
+    if ckpt is not None:
+        ckpt.close()
+    if args.json:
+        c = summary["collectives"]
+        summary["collectives"] = {k: (v.to_json() if hasattr(v, "to_json") else {str(n): b for n, b in v.items()}
+                                      if isinstance(v, dict) else v) for k, v in c.items()}
+        print(json.dumps(summary, indent=1, default=str))
+    else:
+        if history.resumed_from is not None:
+            print(f"resumed from the checkpoint of step {history.resumed_from}")
+        print(format_summary(summary))
+    return 0 if summary["collectives_match"] else 1

@@ -1,0 +1,176 @@
+"""What a training run ends with: the loss curve (PNG), tokens/s, memory per device from
+the compiled step, and the collectives of one step.
+
+    s = summarize(trainer, history, out="run/")     # dict; run/loss.png
+    print(format_summary(s))
+
+Memory is XLA's `memory_analysis()` of the compiled step (per device: arguments, i.e.
+the weights and optimizer state this device holds, outputs, temporaries). Collectives
+are read from the compiled program (`comms`): the pipeline's sends exactly, from the
+plan's counts of each guarded send (`plan.runs()`), and compared with
+`pipeline.formulas.pipeline_collectives`; the reduction of the gradients, the global
+norm and the loss run once per step, outside the pipeline loop, and their bytes equal
+the sum over the weights of each one's local bytes, per group of devices it is summed
+over (XLA may fuse them into fewer instructions, so bytes, not counts, are compared);
+the collectives inside the stages (TP, SP, CP, EP) run in the branches of the
+schedule's loop and are given as the upper bound the HLO allows.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar import comms
+from jaxpar.mesh import DP, PP
+from jaxpar.pipeline import formulas as pipe_formulas
+from jaxpar.pipeline.stage import spec_axes
+
+
+def _sizes(trainer, axes) -> int:
+    return math.prod(trainer.mesh.shape[a] for a in axes)
+
+
+def expected_reductions(trainer) -> dict[int, float]:
+    """{group size: bytes} of the step's all-reduces outside the pipeline loop: each
+    weight's gradient over the batch axes its spec does not split (the embedding's and
+    the head's also over pp), the loss, and the norm's one scalar per weight (over the
+    axes it is split over). Under ZeRO-1 the dp part of a split weight's sum is the
+    reduce-scatter and all-gather of `expected_zero`."""
+    req, spec = trainer.local.request, trainer.spec
+    batch_axes, pp = req.batch_axes, ((PP,) if spec.pp > 1 else ())
+    out: dict[int, float] = {}
+
+    def add(axes, nbytes):
+        axes = tuple(a for a in axes if trainer.mesh.shape[a] > 1)
+        if axes:
+            n = _sizes(trainer, axes)
+            out[n] = out.get(n, 0.0) + nbytes
+
+    local = jax.tree.map(lambda a, s: _local_bytes(trainer, a, s), trainer.shapes, trainer.param_specs)
+    for kind in ("blocks", "first", "last"):
+        extra = () if kind == "blocks" else pp
+        for nbytes, s, d, a in zip(jax.tree.leaves(local[kind]), jax.tree.leaves(trainer.param_specs[kind]),
+                                   jax.tree.leaves(trainer.zero_dims[kind]), jax.tree.leaves(trainer.shapes[kind])):
+            over = tuple(x for x in batch_axes if x not in spec_axes(s)) + extra
+            if d >= 0:
+                over = tuple(x for x in over if x != DP)
+            add(over, nbytes)
+            split = tuple(x for x in spec_axes(s) if trainer.mesh.shape[x] > 1) + ((DP,) if d >= 0 else ())
+            add(split, jnp.dtype(a.dtype).itemsize)          # the norm: one scalar per weight
+    add(batch_axes + pp, jnp.dtype(trainer.dtype).itemsize)  # the loss
+    return out
+
+
+def expected_zero(trainer) -> dict[str, float]:
+    """Bytes of ZeRO-1's reduce-scatters and all-gathers over dp (each a weight's local
+    bytes, as the HLO counts an output or input of the whole shard)."""
+    out = {"reduce-scatter": 0.0, "all-gather": 0.0}
+    local = jax.tree.map(lambda a, s: _local_bytes(trainer, a, s), trainer.shapes, trainer.param_specs)
+    for nbytes, d in zip(jax.tree.leaves(local), jax.tree.leaves(trainer.zero_dims)):
+        if d >= 0:
+            out["reduce-scatter"] += nbytes
+            out["all-gather"] += nbytes
+    return out
+
+
+def _local_bytes(trainer, a, spec) -> int:
+    n = math.prod(a.shape) // _sizes(trainer, spec_axes(spec))
+    return n * jnp.dtype(a.dtype).itemsize
+
+
+def collectives(trainer, compiled) -> dict:
+    """Measured and expected collectives of one step (see the module docstring)."""
+    plan = trainer.local.plan
+    ops = comms.resolve(comms.collective_ops_from_hlo(compiled.as_text()), plan.runs())
+    once = [o for o in ops if not o.conditional and o.executions == 1]
+    sends = comms.nonzero(comms.summarize([o for o in ops if "pipeline_send" in o.scope]))
+    spec = trainer.spec
+    act = (trainer.seq_len // spec.cp // (spec.tp if spec.sequence_parallel else 1)) * trainer.cfg.d_model
+    expected_sends = pipe_formulas.pipeline_collectives(
+        schedule=trainer.schedule, batch_size=trainer.batch_size, features=act, dtype=trainer.dtype,
+        dp=spec.dp * spec.ep) if spec.pp > 1 else comms.Collectives({})
+    expected_sends = comms.Collectives({k: v for k, v in expected_sends.items() if k == "collective-permute"})
+    reductions: dict[int, float] = {}
+    for o in once:
+        if o.kind == "all-reduce":
+            reductions[o.group_size] = reductions.get(o.group_size, 0.0) + o.bytes
+    zero = {k: sum(o.bytes for o in once if o.kind == k) for k in ("reduce-scatter", "all-gather")}
+    inner = comms.summarize([o for o in ops if o.conditional or (o.executions > 1 and "pipeline_send" not in o.scope)])
+    return {"sends": sends, "expected_sends": expected_sends, "reductions": reductions,
+            "expected_reductions": expected_reductions(trainer), "zero": zero, "expected_zero": expected_zero(trainer),
+            "stages_upper_bound": {k: v for k, v in inner.items() if v["count"]}}
+
+
+def matches(c: dict) -> bool:
+    close = lambda a, b: set(a) == set(b) and all(abs(a[k] - b[k]) <= 1e-9 * max(1.0, b[k]) for k in b)
+    return c["sends"] == c["expected_sends"] and close(c["reductions"], c["expected_reductions"]) and close(
+        c["zero"], c["expected_zero"])
+
+
+def memory(compiled) -> dict[str, int]:
+    m = compiled.memory_analysis()
+    return {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "generated_code")}
+
+
+def plot(history, path: str) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(history.steps, history.losses, lw=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def summarize(trainer, history, *, out: str | None = None) -> dict:
+    compiled = trainer.lower().compile()
+    c = collectives(trainer, compiled)
+    tokens = trainer.batch_size * trainer.seq_len
+    s = {"spec": trainer.spec.describe(), "mesh": dict(trainer.mesh.shape), "steps": len(history.steps),
+         "first_loss": history.losses[0] if history.losses else None,
+         "last_loss": history.losses[-1] if history.losses else None,
+         "tokens_per_second": history.tokens_per_second(tokens), "step_seconds": history.step_seconds(),
+         "compile_seconds": history.seconds[0] if history.seconds else None,
+         "memory_per_device": memory(compiled), "collectives": c, "collectives_match": matches(c)}
+    if out is not None and history.steps:
+        os.makedirs(out, exist_ok=True)
+        s["loss_png"] = plot(history, os.path.join(out, "loss.png"))
+    return s
+
+
+def _kib(b: float) -> str:
+    return f"{b / 1024:.1f} KiB" if b < 1 << 20 else f"{b / (1 << 20):.2f} MiB"
+
+
+def format_summary(s: dict) -> str:
+    c, mem = s["collectives"], s["memory_per_device"]
+    red = lambda d: ", ".join(f"{_kib(b)} over {n}" for n, b in sorted(d.items())) or "none"
+    lines = [
+        f"trained {s['spec']} for {s['steps']} steps: loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}",
+        f"  {s['tokens_per_second']:,.0f} tokens/s, {1e3 * s['step_seconds']:.1f} ms/step "
+        f"(first step, compile included: {s['compile_seconds']:.1f} s)",
+        f"  memory per device (compiled): weights+state {_kib(mem['argument'])}, temporaries {_kib(mem['temp'])}",
+        f"  pipeline sends per step: {c['sends'].format() if c['sends'] else 'none'}"
+        f" (formula: {c['expected_sends'].format() if c['expected_sends'] else 'none'})",
+        f"  gradient/norm/loss all-reduces: {red(c['reductions'])} (formula: {red(c['expected_reductions'])})",
+    ]
+    if c["expected_zero"]["all-gather"]:
+        lines.append(f"  ZeRO-1 over dp: reduce-scatter {_kib(c['zero']['reduce-scatter'])}, all-gather "
+                     f"{_kib(c['zero']['all-gather'])} (formula: {_kib(c['expected_zero']['all-gather'])} each)")
+    inner = ", ".join(f"{v['count']} {k} <= {_kib(v['bytes'])}" for k, v in c["stages_upper_bound"].items())
+    lines.append(f"  inside the stages (TP/SP/CP/EP; upper bound of the loop): {inner or 'none'}")
+    lines.append(f"  collectives {'=' if s['collectives_match'] else '!='} the formulas")
+    if s.get("loss_png"):
+        lines.append(f"  loss curve: {s['loss_png']}")
+    return "\n".join(lines)
+

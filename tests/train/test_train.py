@@ -1,0 +1,145 @@
+"""The composed model trained on many meshes equals the unsharded model, step by step."""
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import reference
+from jaxpar.errors import ConfigError
+from jaxpar.train import model, verify
+from jaxpar.train.data import Corpus
+from jaxpar.train.optim import OptimConfig
+from jaxpar.train.spec import ParallelSpec, parse
+from jaxpar.train.step import Trainer
+
+
+@pytest.mark.parametrize("name", list(verify.MESHES))
+def test_twenty_steps_equal_the_unsharded_model(name):
+    spec, cfg, batch = verify.MESHES[name]
+    r = verify.parity(spec, cfg, batch_size=batch)
+    assert r.passed, r.errors
+    assert r.errors["losses"] <= 1e-5 and r.errors["params"] <= 1e-5
+
+
+def test_parity_in_float64(x64):
+    spec = ParallelSpec(dp=2, pp=2, tp=2, cp=1, microbatches=2, sequence_parallel=True, zero=1)
+    r = verify.parity(spec, verify.DENSE, steps=4, dtype=jnp.float64)
+    assert max(r.errors.values()) <= 1e-12, r.errors
+
+
+def test_the_loss_falls_towards_the_corpus_entropy():
+    losses = verify.reference_run(verify.DENSE, verify.OPTIM, 20, 8, 16)[0]
+    assert losses[-1] < 0.5 * losses[0]
+    corpus = Corpus(vocab=verify.DENSE.vocab)
+    assert corpus.entropy_rate() < losses[-1] < np.log(verify.DENSE.vocab)
+
+
+def test_zero1_shards_the_optimizer_state_over_dp():
+    spec = ParallelSpec(dp=4, tp=2, zero=1)
+    t = Trainer(verify.DENSE, spec, verify.OPTIM, batch_size=8, seq_len=16)
+    plain = Trainer(verify.DENSE, dataclasses.replace(spec, zero=0), verify.OPTIM, batch_size=8, seq_len=16)
+    state, ref = t.init(), plain.init()
+    mu, mu_ref = state.opt[0].mu, ref.opt[0].mu
+    for a, b, p in zip(jax.tree.leaves(mu), jax.tree.leaves(mu_ref), jax.tree.leaves(state.params)):
+        chex.assert_equal(a.shape, b.shape)                     # the same global shapes
+        local, local_ref = a.addressable_shards[0].data.shape, b.addressable_shards[0].data.shape
+        assert np.prod(local) * 4 == np.prod(local_ref), (local, local_ref)   # a dp-th of it per device
+        assert p.addressable_shards[0].data.shape == local_ref  # the weights stay whole over dp
+    memory = lambda tr: tr.lower().compile().memory_analysis().argument_size_in_bytes
+    assert memory(t) < memory(plain)
+
+
+def test_the_clip_is_by_the_global_norm():
+    spec, cfg, batch = verify.MESHES["dp2 pp2 tp2"]
+    tight = dataclasses.replace(verify.OPTIM, clip=1e-3)
+    r = verify.parity(spec, cfg, steps=3, optim=tight)
+    assert r.passed, r.errors
+
+
+def test_the_nnx_model_holds_the_reference_params_and_their_partitioning():
+    cfg = verify.MOE
+    params = reference.init_params(jax.random.key(3), cfg)
+    m = model.LanguageModel(cfg, params=params)
+    chex.assert_trees_all_equal(m.params(), params)
+    specs = nnx.get_partition_spec(nnx.state(m))
+    assert specs["embed"].value == P("tp", None)
+    assert specs["blocks"]["w_up"].value == P("pp", "ep", None, "tp")
+    assert specs["blocks"]["wo"].value == P("pp", "tp", None, None)
+    tokens = jnp.asarray(Corpus(vocab=cfg.vocab).batch(0, batch_size=2, seq_len=8))
+    chex.assert_trees_all_close(m(tokens[:, :-1]), reference.forward(params, tokens[:, :-1], cfg))
+    chex.assert_trees_all_close(m.loss(tokens), reference.loss(params, tokens, cfg))
+
+
+def test_batches_are_a_function_of_the_step():
+    c = Corpus(vocab=32, seed=1)
+    np.testing.assert_array_equal(c.batch(5, batch_size=4, seq_len=8), Corpus(vocab=32, seed=1).batch(
+        5, batch_size=4, seq_len=8))
+    assert not np.array_equal(c.batch(5, batch_size=4, seq_len=8), c.batch(6, batch_size=4, seq_len=8))
+    b = c.batch(0, batch_size=64, seq_len=32)
+    succ = c.table[0]
+    assert all(b[r, t + 1] in succ[b[r, t]] for r in range(64) for t in range(32))
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+def test_every_violated_constraint_is_listed():
+    cfg = dataclasses.replace(verify.DENSE, n_layers=6, n_heads=6, n_kv_heads=3, vocab=30)
+    spec = ParallelSpec(dp=2, pp=4, tp=4, ep=2, microbatches=3, cp=2, layout="zigzag")
+    with pytest.raises(ConfigError) as e:
+        Trainer(cfg, spec, verify.OPTIM, batch_size=10, seq_len=6)
+    text = str(e.value)
+    for piece in ("n_layers=6", "n_heads=6", "vocab=30", "n_kv_heads=3", "ep=2 but the model is dense",
+                  "batch_size=10", "seq_len=6", "devices", "problems"):
+        assert piece in text, (piece, text)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(dp=0), "dp=0"), (dict(tp=2.0), "tp=2.0"), (dict(zero=2), "zero=2"), (dict(schedule="nope"), "schedule"),
+    (dict(attention="flash"), "attention"), (dict(layout="spiral"), "layout"), (dict(recompute=1), "recompute"),
+    (dict(microbatches=True), "microbatches"), (dict(dp=1 << 20), "dp="),
+])
+def test_bad_specs_are_refused(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        ParallelSpec(**kwargs)
+
+
+@pytest.mark.parametrize("text", ["", "dp=2,,", "xp=2", "dp=two", "dp=2,dp=2", "dp:2"])
+def test_bad_mesh_strings_are_refused(text):
+    with pytest.raises(ConfigError, match="--mesh"):
+        parse(text)
+
+
+def test_bad_batches_are_refused():
+    t = Trainer(verify.DENSE, ParallelSpec(), verify.OPTIM, batch_size=2, seq_len=4, devices=jax.devices()[:1])
+    with pytest.raises(ConfigError, match="int"):
+        t.put(np.zeros((2, 5), np.float32))
+    with pytest.raises(ConfigError, match="batch_size=2"):
+        t.put(np.zeros((3, 5), np.int32))
+    with pytest.raises(ConfigError, match="vocab"):
+        t.put(np.full((2, 5), 99, np.int32))
+    with pytest.raises(ConfigError):
+        OptimConfig(lr=0)
+    with pytest.raises(ConfigError):
+        OptimConfig(warmup=30, steps=20)
+
+
+@settings(max_examples=60, deadline=None)
+@given(dp=st.sampled_from([1, 2, 3, 4]), pp=st.sampled_from([1, 2, 4]), tp=st.sampled_from([1, 2, 3, 4, 8]),
+       cp=st.sampled_from([1, 2, 4]), m=st.integers(1, 8), layers=st.integers(1, 12), heads=st.sampled_from([2, 4, 6, 8]),
+       batch=st.integers(1, 48), seq=st.integers(1, 64), sp=st.booleans())
+def test_problems_are_exactly_the_divisibility_rules(dp, pp, tp, cp, m, layers, heads, batch, seq, sp):
+    cfg = reference.ModelConfig(n_layers=layers, n_heads=heads, n_kv_heads=2, head_dim=4, d_model=16, d_ff=48,
+                                vocab=48)
+    spec = ParallelSpec(dp=dp, pp=pp, tp=tp, cp=cp, microbatches=m, sequence_parallel=sp, schedule="gpipe")
+    got = spec.problems(cfg, batch_size=batch, seq_len=seq)
+    expected = [layers % pp, heads % tp, 48 % tp, 48 % tp, 2 % tp and tp % 2, batch % (dp * m),
+                seq % (cp * (tp if sp else 1))]
+    assert len(got) == sum(bool(x) for x in expected), got

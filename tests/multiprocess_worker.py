@@ -1,12 +1,10 @@
-"""One process of the 2 x 4 CPU-device jobs of tests/test_multiprocess.py (not a test itself).
+"""One process of the 2 x 4 CPU-device job of tests/test_multiprocess.py (not a test itself).
 
-    python tests/multiprocess_worker.py PROCESS_ID PORT            # the psum
-    python tests/multiprocess_worker.py PROCESS_ID PORT STEPS      # training
+    python tests/multiprocess_worker.py PROCESS_ID PORT
 
-Joins the job on 127.0.0.1:PORT with 4 fake CPU devices. Without STEPS: builds a dp=8
-mesh over the 8 global devices, feeds its own 4 rows of the global input, runs one psum in
-shard_map and prints, as one JSON line, what it sees of the replicated result. With STEPS:
-trains the composed model (`train_losses`) on the 8 global devices and prints its losses.
+Joins the job on 127.0.0.1:PORT with 4 fake CPU devices, builds a dp=8 mesh over the 8
+global devices, feeds its own 4 rows of the global input, runs one psum in shard_map and
+prints, as one JSON line, what it sees of the replicated result.
 """
 
 import json
@@ -15,13 +13,6 @@ import sys
 import numpy as np
 
 from jaxpar import mesh
-from jaxpar.train import verify
-from jaxpar.train.loop import fit
-from jaxpar.train.spec import ParallelSpec
-from jaxpar.train.step import Trainer
-
-# The training job: dp spans the 2 processes (tp innermost), pp and tp stay inside each.
-TRAIN_SPEC = ParallelSpec(dp=2, pp=2, tp=2, microbatches=2)
 
 
 def global_input() -> np.ndarray:
@@ -29,20 +20,10 @@ def global_input() -> np.ndarray:
     return (np.arange(24, dtype=np.float32).reshape(8, 3) - 5.0) ** 2
 
 
-def train_losses(steps: int) -> list[float]:
-    """`steps` steps of TRAIN_SPEC over all of jax.devices(). The test process runs the same."""
-    trainer = Trainer(verify.DENSE, TRAIN_SPEC, verify.OPTIM, batch_size=8, seq_len=16)
-    return fit(trainer, steps=steps, progress=False)[1].losses
-
-
-def main(process_id: int, port: int, steps: int | None = None) -> None:
+def main(process_id: int, port: int) -> None:
     mesh.init_distributed(f"127.0.0.1:{port}", num_processes=2, process_id=process_id, local_device_count=4)
 
     import jax
-    if steps is not None:
-        print(json.dumps({"process_id": process_id, "devices": jax.device_count(),
-                          "local_devices": jax.local_device_count(), "losses": train_losses(steps)}), flush=True)
-        return
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     m = mesh.make_mesh(dp=8)
@@ -62,4 +43,4 @@ def main(process_id: int, port: int, steps: int | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)
+    main(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,7 +1,7 @@
 """2 processes x 4 CPU devices on loopback (jax.distributed + gloo) agree with 1 process x 8.
 
 The workers are tests/multiprocess_worker.py; this process (8 devices from conftest.py)
-computes the single-process answer: a psum, and the composed model's training losses.
+computes the single-process answer.
 """
 
 import json
@@ -19,12 +19,10 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import mesh
 
 sys.path.insert(0, str(Path(__file__).parent))
-from multiprocess_worker import global_input, train_losses  # noqa: E402  (what both sides run)
+from multiprocess_worker import global_input  # noqa: E402  (the input both sides use)
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 TIMEOUT_S = 120
-TRAIN_TIMEOUT_S = 300   # the training step compiles for ~25 s per process on 2 CPU cores
-TRAIN_STEPS = 5
 
 
 def _free_port() -> int:
@@ -33,24 +31,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_workers(*args: str) -> list[subprocess.Popen]:
+def _run_workers() -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
     port = _free_port()
-    return [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port), *args], env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
-
-
-def _run_workers(procs: list[subprocess.Popen] | None = None, timeout: float = TIMEOUT_S) -> list[dict]:
-    procs = _start_workers() if procs is None else procs
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
     outs = []
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=timeout))
+            outs.append(p.communicate(timeout=TIMEOUT_S))
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
         logs = [p.communicate() for p in procs]
-        pytest.fail(f"workers did not finish in {timeout}s; stderr:\n" +
+        pytest.fail(f"workers did not finish in {TIMEOUT_S}s; stderr:\n" +
                     "\n".join(f"--- worker {i}\n{err[-3000:]}" for i, (_, err) in enumerate(logs)))
     finally:
         for p in procs:
@@ -82,20 +76,3 @@ def test_two_processes_of_four_devices_psum_like_one_process_of_eight():
         for block in r["result"]:
             np.testing.assert_array_equal(np.asarray(block, np.float32), single)
     assert sorted(covered) == list(range(8))  # each global device fed by exactly one process
-
-
-def test_two_processes_of_four_devices_train_like_one_process_of_eight():
-    assert jax.device_count() == 8
-    procs = _start_workers(str(TRAIN_STEPS))     # they compile while this process trains
-    try:
-        single = np.asarray(train_losses(TRAIN_STEPS))
-    except BaseException:
-        for p in procs:
-            p.kill()
-            p.communicate()
-        raise
-    results = sorted(_run_workers(procs, TRAIN_TIMEOUT_S), key=lambda r: r["process_id"])
-    assert [(r["process_id"], r["devices"], r["local_devices"]) for r in results] == [(0, 8, 4), (1, 8, 4)]
-    assert single.shape == (TRAIN_STEPS,) and np.all(np.isfinite(single))
-    for r in results:
-        np.testing.assert_allclose(np.asarray(r["losses"]), single, rtol=1e-6, atol=0)

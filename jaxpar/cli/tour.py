@@ -32,9 +32,9 @@ CHECKS: dict[str, str] = {
     "ulysses": "jaxpar.context.verify:check_ulysses",
     "ep": "jaxpar.expert.verify:check_ep",
     "pp-tp": "jaxpar.train.verify:check_pp_tp",
-    "train": "jaxpar.train.verify:check_train",
     "memory": "jaxpar.memory.verify:check",
     "plan": "jaxpar.planner.verify:check_plan",
+    "train": "jaxpar.train.verify:check_train",
 }
 
 

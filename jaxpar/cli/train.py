@@ -63,26 +63,30 @@ def main(args) -> int:
     m = 2 * spec.pp if args.microbatches is None else args.microbatches
     spec = spec_lib.ParallelSpec(**{**spec.__dict__, "microbatches": m})
 
-    import jax
+    from jaxpar import reference
 
-    from jaxpar import mesh, reference
-    from jaxpar.train.checkpoint import Checkpoints
-    from jaxpar.train.loop import fit
-    from jaxpar.train.optim import OptimConfig
-    from jaxpar.train.step import Trainer
-    from jaxpar.train.summary import format_summary, summarize
-
-    if args.platform == "cpu":
-        jax.config.update("jax_platforms", "cpu")
-    mesh.use_cpu_devices(spec.devices if args.devices is None else args.devices)
     layers = 2 * spec.pp * spec.virtual_chunks if args.layers is None else args.layers
     cfg = reference.ModelConfig(n_layers=layers, d_model=args.d_model, n_heads=args.heads, n_kv_heads=args.kv_heads,
                                 head_dim=max(2, args.d_model // args.heads), d_ff=args.ffn, vocab=args.vocab,
                                 mlp="swiglu", n_experts=args.experts, top_k=min(args.top_k, max(args.experts, 1)),
                                 rope_theta=10000.0)
     batch = spec.dp * spec.ep * m if args.batch is None else args.batch
+    spec.check(cfg, batch_size=batch, seq_len=args.seq)        # every problem, before JAX starts
+
+    import jax
+
+    from jaxpar import mesh
+    from jaxpar.train.checkpoint import Checkpoints
+    from jaxpar.train.loop import fit
+    from jaxpar.train.optim import OptimConfig
+    from jaxpar.train.step import Trainer
+    from jaxpar.train.summary import format_summary, summarize
+
     warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
     optim = OptimConfig(lr=args.lr, warmup=min(warmup, args.steps), steps=args.steps, clip=args.clip)
+    if args.platform == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+    mesh.use_cpu_devices(spec.devices if args.devices is None else args.devices)
     trainer = Trainer(cfg, spec, optim, batch_size=batch, seq_len=args.seq, devices=jax.devices()[:spec.devices])
     ckpt = Checkpoints(args.checkpoint, every=args.every) if args.checkpoint else None
     _, history = fit(trainer, steps=args.steps, checkpoints=ckpt, progress=not (args.quiet or args.json))

@@ -1,7 +1,28 @@
 """Techniques composed (DESIGN.md "Composition"): the only package that imports several.
 
-    stages   the reference model as per-shard pipeline stages: tensor-parallel blocks,
-             the vocab-parallel embedding on the first stage, the LM head and
-             vocab-parallel cross-entropy on the last, run by `pipeline.runtime`
-    verify   against `reference.loss` (`jaxpar verify pp-tp`)
+    spec        ParallelSpec: how the model is split; every violated constraint at once
+    model       the model as flax NNX params with partition metadata; its per-shard block,
+                embedding and head (TP/SP, ring or Ulysses over cp, the MoE over ep)
+    step        Trainer: ONE jitted step, one shard_map over every axis (pipeline, one
+                gradient reduction or ZeRO-1, global-norm clipping, AdamW)
+    optim       OptimConfig: optax AdamW, warm-up + cosine, the true global norm
+    data        Corpus: the generated training text
+    checkpoint  Checkpoints: orbax, canonical layout, restorable on any mesh
+    loop        fit: the loop, progress bar, resume
+    summary     a run's loss curve, tokens/s, memory, collectives against the formulas
+    stages      the reference model as pipeline stages over dp x pp x tp (`pp_tp_loss`)
+    verify      against the unsharded model (`jaxpar verify pp-tp`, `jaxpar verify train`)
 """
+
+from jaxpar import lazy
+
+_EXPORTS = {
+    "spec": ("ParallelSpec", "parse"),
+    "model": ("LanguageModel",),
+    "step": ("Trainer", "TrainState", "reference_trainer"),
+    "optim": ("OptimConfig",),
+    "data": ("Corpus",),
+    "checkpoint": ("CheckpointError", "Checkpoints"),
+    "loop": ("History", "fit"),
+}
+__getattr__, __dir__, __all__ = lazy.exports(__name__, _EXPORTS)

@@ -23,32 +23,17 @@ def tokens(rows: int, seq: int = 8, seed: int = 0):
     return jnp.asarray(np.random.default_rng(seed).integers(0, CFG.vocab, (rows, seq + 1)), jnp.int32)
 
 
-@pytest.mark.parametrize("name,sizes,m", [
-    ("1f1b", dict(dp=2, pp=2, tp=2), 2),          # the mesh
-    ("interleaved", dict(pp=2, tp=4), 2),         # tp > n_kv_heads: KV heads replicated
-    ("zb-h1", dict(pp=2, tp=1), 2),               # a size-1 tp axis: nothing over tp
-])
-def test_tp_stages_match_reference_loss_and_every_gradient(name, sizes, m):
-    mesh = mesh_lib.make_mesh(**sizes, devices=jax.devices()[:int(np.prod(list(sizes.values())))])
+# dp x pp x tp (1F1B), float64 and a size-1 tp are in test_train.py's parity runs of the
+# whole trainer; here the case those lack: tp > n_kv_heads (KV heads replicated over tp)
+def test_tp_stages_match_reference_loss_and_every_gradient():
+    mesh = mesh_lib.make_mesh(pp=2, tp=4, devices=jax.devices()[:8])
     params = reference.init_params(jax.random.key(0), CFG)
-    toks = tokens(4 * sizes.get("dp", 1))
-    s = schedule.make(name, stages=2, microbatches=m)
+    toks = tokens(4)
+    s = schedule.make("interleaved", stages=2, microbatches=2)
     loss, grads = stages.pp_tp_loss(params, toks, mesh=mesh, cfg=CFG, schedule=s)
     ref_loss, ref = jax.value_and_grad(reference.loss)(params, toks, CFG)
     assert jax.tree.structure(grads) == jax.tree.structure(ref)
     assert_close((loss, grads), (ref_loss, ref))
-
-
-def test_tp_stages_in_float64(x64):
-    mesh = mesh_lib.make_mesh(dp=2, pp=2, tp=2, devices=jax.devices()[:8])
-    params = reference.init_params(jax.random.key(1), CFG, jnp.float64)
-    toks = tokens(4, seed=1)
-    loss, grads = stages.pp_tp_loss(params, toks, mesh=mesh, cfg=CFG, schedule=schedule.make("1f1b", 2, 2))
-    ref_loss, ref = jax.value_and_grad(reference.loss)(params, toks, CFG)
-    assert_close((loss, grads), (ref_loss, ref))
-    err = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves((loss, grads)),
-                                                             jax.tree.leaves((ref_loss, ref))))
-    assert err < 1e-12, err
 
 
 def test_bad_input_is_refused():

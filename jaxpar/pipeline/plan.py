@@ -55,6 +55,8 @@ FIELDS = ("f_branch", "f_chunk", "f_microbatch", "from_batch", "x_read", "res_wr
 F = {name: i for i, name in enumerate(FIELDS)}
 F_BRANCHES = ("idle", "F", "F_last")   # f_branch: F_last is F of the last stage, with the loss
 B_BRANCHES = ("idle", "B", "W")        # b_branch; the chunk is f_chunk / b_chunk
+# the named scopes of the program's branches, innermost first (program.py; lane_runs)
+LANE_SCOPES = ("pipeline_first", "pipeline_loss", "pipeline_first_backward", "pipeline_F", "pipeline_B", "pipeline_W")
 
 
 def scope(lane: str, direction: str) -> str:
@@ -100,6 +102,16 @@ class Plan:
     def runs(self) -> dict[str, int]:
         """{scope of a channel's ppermute: steps in which it runs}."""
         return {scope(*ch): int(self.flags[:, j].sum()) for j, ch in enumerate(self.sends)}
+
+    def lane_runs(self, device: int) -> dict[str, int]:
+        """{scope of LANE_SCOPES: steps in which that branch runs on pp rank `device`}."""
+        rows = self.table[:, device]
+        f, b = rows[:, F["f_branch"]], rows[:, F["b_branch"]]
+        m = self.schedule.microbatches
+        return {"pipeline_F": int((f > 0).sum()), "pipeline_first": int(((f > 0) & (rows[:, F["from_batch"]] > 0)).sum()),
+                "pipeline_loss": int((f == F_BRANCHES.index("F_last")).sum()),
+                "pipeline_B": int((b == B_BRANCHES.index("B")).sum()), "pipeline_W": int((b == B_BRANCHES.index("W")).sum()),
+                "pipeline_first_backward": int(((b == B_BRANCHES.index("B")) & (rows[:, F["dx_write"]] < m)).sum())}
 
 
 

@@ -135,30 +135,39 @@ class Program:
             zeros = [varying(jnp.zeros(a.shape, a.dtype), ex) for a, ex in zip(passes.stored, passes.stored_axes)]
             return x_in, zeros, jnp.zeros((), self.loss_dtype), l_acc
 
+        # named scopes (LANE_SCOPES) let a reader of the compiled program count the collectives
+        # of each branch exactly: the plan knows how often each runs on each device
         def f_run(x_in, ids, target, e, l_acc):
-            x = jax.lax.cond(e[FIELD["from_batch"]] > 0, lambda: varying(first(first_params, ids), act_axes),
-                             lambda: x_in)
-            y, stored = passes.forward(params, e[FIELD["f_chunk"]], x)
-            last = e[FIELD["f_branch"]] == plan_lib.F_BRANCHES.index("F_last")
-            out, loss, l_acc = jax.lax.cond(last, lambda: varying(loss_and_grad(y, target, l_acc), axes),
-                                            lambda: varying((y, jnp.zeros((), self.loss_dtype), l_acc), axes))
-            return varying((out, stored, loss, l_acc), axes)
+            with jax.named_scope("pipeline_F"):
+                with jax.named_scope("pipeline_first"):
+                    x = jax.lax.cond(e[FIELD["from_batch"]] > 0,
+                                     lambda: varying(first(first_params, ids), act_axes), lambda: x_in)
+                y, stored = passes.forward(params, e[FIELD["f_chunk"]], x)
+                last = e[FIELD["f_branch"]] == plan_lib.F_BRANCHES.index("F_last")
+                with jax.named_scope("pipeline_loss"):
+                    out, loss, l_acc = jax.lax.cond(
+                        last, lambda: varying(loss_and_grad(y, target, l_acc), axes),
+                        lambda: varying((y, jnp.zeros((), self.loss_dtype), l_acc), axes))
+                return varying((out, stored, loss, l_acc), axes)
 
         def b_idle(g_in, stored, kept, acc, f_acc, ids, e):
             return g_in, acc, f_acc, varying(jnp.zeros(passes.kept.shape, passes.kept.dtype), act_axes), jnp.zeros(
                 inputs.shape[1:], inputs.dtype)
 
         def b_run(g_in, stored, kept, acc, f_acc, ids, e):
-            dx, acc, keep = passes.backward(params, e[FIELD["b_chunk"]], stored, g_in, acc, weights=not split)
-            on_first = e[FIELD["dx_write"]] < m
-            d_in, f_acc = jax.lax.cond(
-                on_first, lambda: varying(first_backward(first_params, ids, dx, f_acc), axes),
-                lambda: varying((jnp.zeros(inputs.shape[1:], inputs.dtype), f_acc), axes))
-            return varying((dx, acc, f_acc, keep, d_in), axes)
+            with jax.named_scope("pipeline_B"):
+                dx, acc, keep = passes.backward(params, e[FIELD["b_chunk"]], stored, g_in, acc, weights=not split)
+                on_first = e[FIELD["dx_write"]] < m
+                with jax.named_scope("pipeline_first_backward"):
+                    d_in, f_acc = jax.lax.cond(
+                        on_first, lambda: varying(first_backward(first_params, ids, dx, f_acc), axes),
+                        lambda: varying((jnp.zeros(inputs.shape[1:], inputs.dtype), f_acc), axes))
+                return varying((dx, acc, f_acc, keep, d_in), axes)
 
         def b_weight(g_in, stored, kept, acc, f_acc, ids, e):
-            acc = passes.weight(params, e[FIELD["b_chunk"]], stored, kept, acc)
-            return varying(b_idle(g_in, stored, kept, acc, f_acc, ids, e), axes)
+            with jax.named_scope("pipeline_W"):
+                acc = passes.weight(params, e[FIELD["b_chunk"]], stored, kept, acc)
+                return varying(b_idle(g_in, stored, kept, acc, f_acc, ids, e), axes)
 
         f_branches = [lambda *a: varying(f_idle(*a), axes), f_run]
         b_branches = [lambda *a: varying(b_idle(*a), axes), b_run] + ([b_weight] if split else [])

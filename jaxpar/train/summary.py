@@ -13,7 +13,9 @@ norm and the loss run once per step, outside the pipeline loop, and their bytes 
 the sum over the weights of each one's local bytes, per group of devices it is summed
 over (XLA may fuse them into fewer instructions, so bytes, not counts, are compared);
 the collectives inside the stages (TP, SP, CP, EP) run in the branches of the
-schedule's loop and are given as the upper bound the HLO allows.
+schedule's loop, each branch under a named scope whose runs per pp rank the plan knows
+(`Plan.lane_runs`): counted exactly per rank, and on dp x pp x tp meshes equal to the
+tensor formulas' sum (`expected_stage_collectives`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import jax.numpy as jnp
 from jaxpar import comms
 from jaxpar.mesh import DP, PP
 from jaxpar.pipeline import formulas as pipe_formulas
+from jaxpar.pipeline.plan import LANE_SCOPES
 from jaxpar.pipeline.stage import spec_axes
+from jaxpar.tensor import formulas as tp_formulas
 
 
 def _sizes(trainer, axes) -> int:
@@ -82,6 +86,63 @@ def _local_bytes(trainer, a, spec) -> int:
     return n * jnp.dtype(a.dtype).itemsize
 
 
+def _times(c: comms.Collectives, n: int) -> comms.Collectives:
+    return comms.Collectives({k: (n * a, n * b) for k, (a, b) in c.items()})
+
+
+def stage_collectives(trainer, ops, device: int) -> comms.Collectives:
+    """The collectives inside the pipeline's branches that pp rank `device` runs in one
+    step, exactly: each op in its innermost branch scope (plan.LANE_SCOPES) runs as often
+    as the plan runs that branch there, times its loops inside the branch."""
+    plan = trainer.local.plan
+    runs = plan.lane_runs(device)
+    out = comms.Collectives({})
+    for op in ops:
+        if not op.conditional:
+            continue
+        scope = next((s for s in LANE_SCOPES if f"/{s}/" in f"/{op.scope}/"), None)
+        if scope is None or op.executions % max(plan.steps, 1):
+            raise ValueError(f"collective {op.name} ({op.scope}) is in no branch scope of the pipeline")
+        n = op.executions // plan.steps * runs[scope]
+        out = out + comms.Collectives({op.kind: (n, n * op.bytes)})
+    return out
+
+
+def expected_stage_collectives(trainer, device: int) -> comms.Collectives | None:
+    """The formulas' sum for what `stage_collectives` measures, on dp x pp x tp meshes,
+    TP or SP (None with cp or ep: those stages are counted, not yet given a formula): per F,
+    each layer's tensor.formulas.tp_block_collectives forward, per B its backward (and
+    the forward again under recompute); the embedding's forward per F of the first stage;
+    the LM head's and cross-entropy's forward and backward per F of the last (under SP:
+    the embedding's reduce-scatter, its all-gather per B of the first stage, the head's
+    all-gather and its reduce-scatter, and the final norm gain's all-reduce)."""
+    spec, cfg = trainer.spec, trainer.cfg
+    if spec.cp > 1 or spec.ep > 1:
+        return None
+    runs = trainer.local.plan.lane_runs(device)
+    depth = cfg.n_layers // (spec.pp * spec.virtual_chunks)
+    kw = dict(cfg=cfg, batch_size=trainer.batch_size // spec.dp // spec.microbatches, seq_len=trainer.seq_len,
+              dtype=trainer.dtype, tp=spec.tp)
+    sp = spec.sequence_parallel and spec.tp > 1
+    fwd, bwd = (tp_formulas.tp_block_collectives(**kw, sequence_parallel=spec.sequence_parallel, backward=b)
+                for b in (False, True))
+    total = _times(fwd, depth * runs["pipeline_F"]) + _times(bwd, depth * runs["pipeline_B"])
+    if spec.recompute:
+        total = total + _times(fwd, depth * runs["pipeline_B"])
+    if sp:   # the embedding ends in a reduce-scatter along T; the head starts with the all-gather
+        item = jnp.dtype(trainer.dtype).itemsize
+        act = kw["batch_size"] * trainer.seq_len * cfg.d_model * item
+        first = comms.Collectives({"reduce-scatter": (1, act)})
+        total = total + _times(comms.Collectives({"all-gather": (1, act)}), runs["pipeline_first_backward"])
+        head = tp_formulas.cross_entropy_collectives(**kw) + comms.Collectives(
+            {"all-gather": (1, act), "reduce-scatter": (1, act), "all-reduce": (1, cfg.d_model * item)})
+    else:
+        first = tp_formulas.embedding_collectives(**kw)
+        head = tp_formulas.lm_loss_collectives(**kw) + tp_formulas.lm_loss_collectives(**kw, backward=True)
+    total = total + _times(first, runs["pipeline_first"])
+    return total + _times(head, runs["pipeline_loss"])
+
+
 def collectives(trainer, compiled) -> dict:
     """Measured and expected collectives of one step (see the module docstring)."""
     plan = trainer.local.plan
@@ -99,16 +160,17 @@ def collectives(trainer, compiled) -> dict:
         if o.kind == "all-reduce":
             reductions[o.group_size] = reductions.get(o.group_size, 0.0) + o.bytes
     zero = {k: sum(o.bytes for o in once if o.kind == k) for k in ("reduce-scatter", "all-gather")}
-    inner = comms.summarize([o for o in ops if o.conditional or (o.executions > 1 and "pipeline_send" not in o.scope)])
+    stages = {d: stage_collectives(trainer, ops, d) for d in range(spec.pp)}
     return {"sends": sends, "expected_sends": expected_sends, "reductions": reductions,
             "expected_reductions": expected_reductions(trainer), "zero": zero, "expected_zero": expected_zero(trainer),
-            "stages_upper_bound": {k: v for k, v in inner.items() if v["count"]}}
+            "stages": stages, "expected_stages": {d: expected_stage_collectives(trainer, d) for d in range(spec.pp)}}
 
 
 def matches(c: dict) -> bool:
     close = lambda a, b: set(a) == set(b) and all(abs(a[k] - b[k]) <= 1e-9 * max(1.0, b[k]) for k in b)
+    stages = all(e is None or c["stages"][d] == e for d, e in c["expected_stages"].items())
     return c["sends"] == c["expected_sends"] and close(c["reductions"], c["expected_reductions"]) and close(
-        c["zero"], c["expected_zero"])
+        c["zero"], c["expected_zero"]) and stages
 
 
 def memory(compiled) -> dict[str, int]:
@@ -167,8 +229,10 @@ def format_summary(s: dict) -> str:
     if c["expected_zero"]["all-gather"]:
         lines.append(f"  ZeRO-1 over dp: reduce-scatter {_kib(c['zero']['reduce-scatter'])}, all-gather "
                      f"{_kib(c['zero']['all-gather'])} (formula: {_kib(c['expected_zero']['all-gather'])} each)")
-    inner = ", ".join(f"{v['count']} {k} <= {_kib(v['bytes'])}" for k, v in c["stages_upper_bound"].items())
-    lines.append(f"  inside the stages (TP/SP/CP/EP; upper bound of the loop): {inner or 'none'}")
+    for d, got in c["stages"].items():
+        want = c["expected_stages"][d]
+        formula = "no formula yet for cp and ep stages" if want is None else f"formula: {want.format()}"
+        lines.append(f"  inside the stages, pp rank {d}: {got.format()} ({formula})")
     lines.append(f"  collectives {'=' if s['collectives_match'] else '!='} the formulas")
     if s.get("loss_png"):
         lines.append(f"  loss curve: {s['loss_png']}")

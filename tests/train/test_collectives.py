@@ -1,0 +1,39 @@
+"""The collectives of one compiled training step equal the sum of the techniques' formulas:
+the pipeline's sends, every TP/SP collective inside the stages (per pp rank, from the
+plan's counts of each branch), the gradient reduction, the norm, the loss and ZeRO-1."""
+
+import pytest
+
+from jaxpar import comms
+from jaxpar.train import summary, verify
+from jaxpar.train.spec import ParallelSpec
+from jaxpar.train.step import Trainer
+
+CASES = {
+    "dp2 pp2 tp2 1f1b": ParallelSpec(dp=2, pp=2, tp=2, microbatches=2),
+    "pp2 tp4 interleaved (KV heads replicated)": ParallelSpec(pp=2, tp=4, schedule="interleaved", microbatches=2),
+    "dp2 pp2 tp2 SP zb-h1 recompute": ParallelSpec(dp=2, pp=2, tp=2, microbatches=2, sequence_parallel=True,
+                                                   schedule="zb-h1", recompute=True),
+    "dp4 tp2 SP ZeRO-1": ParallelSpec(dp=4, tp=2, sequence_parallel=True, zero=1),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_step_runs_the_formulas_collectives(name):
+    spec = CASES[name]
+    trainer = Trainer(verify.DENSE, spec, verify.OPTIM, batch_size=8, seq_len=16)
+    c = summary.collectives(trainer, trainer.lower().compile())
+    assert c["sends"] == c["expected_sends"]
+    assert c["reductions"] == c["expected_reductions"]
+    assert c["zero"] == c["expected_zero"] and (c["zero"]["all-gather"] > 0) == bool(spec.zero)
+    for d in range(spec.pp):
+        assert c["stages"][d] == c["expected_stages"][d], (d, c["stages"][d], c["expected_stages"][d])
+        assert c["stages"][d]                       # tp > 1: something runs in every stage
+    assert summary.matches(c)
+
+
+def test_a_wrong_formula_is_noticed():
+    trainer = Trainer(verify.DENSE, CASES["dp2 pp2 tp2 1f1b"], verify.OPTIM, batch_size=8, seq_len=16)
+    c = summary.collectives(trainer, trainer.lower().compile())
+    c["expected_stages"][0] = c["expected_stages"][0] + comms.Collectives({"all-reduce": (1, 4)})
+    assert not summary.matches(c)

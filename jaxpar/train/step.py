@@ -46,6 +46,9 @@ from jaxpar.train import optim as optim_lib
 from jaxpar.train.spec import ParallelSpec
 
 
+_BUILT: dict = {}     # request -> the Trainer that built its step (an LRU of 16, as jax.jit keeps one per signature)
+
+
 class TrainState(NamedTuple):
     step: jax.Array        # int32 scalar: steps taken
     params: dict           # {"blocks": stage layout, "first": {"embed"}, "last": {"final_norm", "unembed"}}
@@ -106,6 +109,18 @@ class Trainer:
             raise ConfigError(f"optim is a {type(self.optim).__name__}, not a jaxpar.train.OptimConfig")
         devices = list(jax.devices() if self.devices is None else self.devices)
         self.spec.check(self.cfg, batch_size=self.batch_size, seq_len=self.seq_len, n_devices=len(devices))
+        key = (self.cfg, self.spec, self.optim, self.batch_size, self.seq_len, tuple(devices),
+               jnp.dtype(self.dtype).name)
+        built = _BUILT.get(key)
+        if built is not None:          # the same request: the same jitted and compiled step
+            self.__dict__.update({k: v for k, v in built.__dict__.items() if k not in ("devices",)})
+            return
+        self._build_all(devices)
+        _BUILT[key] = self
+        while len(_BUILT) > 16:
+            _BUILT.pop(next(iter(_BUILT)))
+
+    def _build_all(self, devices):
         spec, cfg = self.spec, self.cfg
         self.mesh = spec.mesh(devices)
         self.schedule = spec.make_schedule()
@@ -142,6 +157,7 @@ class Trainer:
         self.shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_specs,
                                       is_leaf=lambda x: isinstance(x, P))
         self._step = self._build()
+        self._cache = {}          # shared by every Trainer of the same request
 
     # ---- layout ---------------------------------------------------------------------------
 
@@ -273,12 +289,19 @@ class Trainer:
         tokens = tokens.astype(np.int32)
         return jax.make_array_from_callback(tokens.shape, NamedSharding(self.mesh, P()), lambda i: tokens[i])
 
+    @property
+    def compiled(self):
+        """The compiled step (compiled once per Trainer request; `step` runs it)."""
+        if "compiled" not in self._cache:
+            self._cache["compiled"] = self.lower().compile()
+        return self._cache["compiled"]
+
     def step(self, state: TrainState, tokens) -> tuple[TrainState, dict]:
         """One step on tokens int[B, T+1] (host data, or `put`'s array). The state is
         donated: use the returned one."""
         if not (isinstance(tokens, jax.Array) and tokens.sharding == NamedSharding(self.mesh, P())):
             tokens = self.put(tokens)
-        return self._step(state, tokens)
+        return self.compiled(state, tokens)
 
     def lower(self, state: TrainState | None = None):
         state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

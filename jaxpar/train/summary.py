@@ -195,7 +195,7 @@ def plot(history, path: str) -> str:
 
 
 def summarize(trainer, history, *, out: str | None = None) -> dict:
-    compiled = trainer.lower().compile()
+    compiled = trainer.compiled
     c = collectives(trainer, compiled)
     tokens = trainer.batch_size * trainer.seq_len
     s = {"spec": trainer.spec.describe(), "mesh": dict(trainer.mesh.shape), "steps": len(history.steps),

@@ -22,7 +22,7 @@ CASES = {
 def test_one_step_runs_the_formulas_collectives(name):
     spec = CASES[name]
     trainer = Trainer(verify.DENSE, spec, verify.OPTIM, batch_size=8, seq_len=16)
-    c = summary.collectives(trainer, trainer.lower().compile())
+    c = summary.collectives(trainer, trainer.compiled)
     assert c["sends"] == c["expected_sends"]
     assert c["reductions"] == c["expected_reductions"]
     assert c["zero"] == c["expected_zero"] and (c["zero"]["all-gather"] > 0) == bool(spec.zero)
@@ -34,6 +34,6 @@ def test_one_step_runs_the_formulas_collectives(name):
 
 def test_a_wrong_formula_is_noticed():
     trainer = Trainer(verify.DENSE, CASES["dp2 pp2 tp2 1f1b"], verify.OPTIM, batch_size=8, seq_len=16)
-    c = summary.collectives(trainer, trainer.lower().compile())
+    c = summary.collectives(trainer, trainer.compiled)
     c["expected_stages"][0] = c["expected_stages"][0] + comms.Collectives({"all-reduce": (1, 4)})
     assert not summary.matches(c)

@@ -147,6 +147,9 @@ def collectives(trainer, compiled) -> dict:
     """Measured and expected collectives of one step (see the module docstring)."""
     plan = trainer.local.plan
     ops = comms.resolve(comms.collective_ops_from_hlo(compiled.as_text()), plan.runs())
+    # a collective over a group of one device (the vocab-parallel ops over tp = 1: XLA keeps
+    # them) moves nothing, and no formula counts it
+    ops = [o for o in ops if o.group_size > 1]
     once = [o for o in ops if not o.conditional and o.executions == 1]
     sends = comms.nonzero(comms.summarize([o for o in ops if "pipeline_send" in o.scope]))
     spec = trainer.spec

@@ -23,7 +23,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -163,11 +162,3 @@ def to_layout(tokens, spec: ParallelSpec):
         inputs, targets = (zigzag.to_layout(a, spec.cp, spec.layout, axis=1) for a in (inputs, targets))
     return inputs, targets
 
-
-def init(cfg: reference.ModelConfig, key=None, dtype=jnp.float32) -> dict:
-    """reference.init_params (a plain dict, the canonical layout)."""
-    return reference.init_params(jax.random.key(0) if key is None else key, cfg, dtype)
-
-
-def n_params(params: dict) -> int:
-    return int(sum(np.prod(a.shape) for a in jax.tree.leaves(params)))

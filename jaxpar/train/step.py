@@ -147,8 +147,7 @@ class Trainer:
                             "last": jax.tree.map(unit, req.last_specs, is_leaf=is_p)}
         self.metric_spec = P(PP) if spec.pp == 1 else P(None)
         self.tx = self.optim.transform()
-        self.shapes = jax.eval_shape(lambda: self._staged(split(reference.init_params(
-            jax.random.key(0), cfg, self.dtype))))
+        self.shapes = jax.eval_shape(self._staged, shapes)
         self._plan_zero()
         opt_shapes = jax.eval_shape(self.tx.init, self.shapes)
         self.opt_specs = optax.tree_map_params(self.tx, lambda _, s: s, opt_shapes, self.state_param_specs,

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import mesh as mesh_lib
+from jaxpar.collectives import ring_shift
 from jaxpar.context import ring, zigzag
 from jaxpar.context.verify import attention_inputs, run_attention
 from jaxpar.testing import assert_close, max_abs_diff
@@ -135,3 +136,17 @@ def test_compiled_memory_never_holds_a_t_by_t_score_matrix():
         q, k, v, do).compile().memory_analysis().temp_size_in_bytes
     scores = B * N * T * T * 4     # one f32 score matrix of this device's batch rows and heads
     assert ring_temp < scores / 2, (ring_temp, scores)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+def test_ring_shift_by_all_to_all_moves_exactly_what_ppermute_moves(cp):
+    m = mesh_lib.make_mesh(dp=8 // cp, cp=cp)
+    x = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3)         # rank-coded rows
+    outs = {}
+    for via in ("ppermute", "all_to_all"):
+        f = jax.shard_map(lambda a, via=via: ring_shift(a, "cp", cp, via=via), mesh=m, in_specs=P(("dp", "cp")),
+                          out_specs=P(("dp", "cp")))
+        outs[via] = np.asarray(jax.jit(f)(x))
+    expected = np.asarray(x).reshape(8 // cp, cp, 3)[:, (np.arange(cp) - 1) % cp].reshape(8, 3)
+    np.testing.assert_array_equal(outs["ppermute"], expected)
+    np.testing.assert_array_equal(outs["all_to_all"], expected)

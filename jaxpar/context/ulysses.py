@@ -58,6 +58,10 @@ def hybrid_attention_shard(q, k, v, *, ulysses_axis=UCP, ring_axis=CP, causal: b
     ring attention alone, ring_axis=None Ulysses alone. The ring sees its cp-th of the
     sequence in `layout` order; relayout=True takes natural order and reorders the
     gathered tokens into the layout and back around the ring (ring.relayout_shard).
+    Ulysses alone (ring_axis=None) under `layout` "zigzag": the u devices hold the
+    sequence in zigzag order (zigzag.to_layout over u), so the gathered sequence is in
+    that order too; it is put back in natural order, a local gather, before the causal
+    mask and in layout order again after.
     """
     errors.flag("causal", causal)
     errors.flag("relayout", relayout)
@@ -69,13 +73,20 @@ def hybrid_attention_shard(q, k, v, *, ulysses_axis=UCP, ring_axis=CP, causal: b
         if sent != K:
             k, v = (jnp.repeat(a, sent // K, axis=2) for a in (k, v))
         q, k, v = (_to_heads(a, ulysses_axis) for a in (q, k, v))
-    o = ring_attention_shard(q, k, v, axis=ring_axis, causal=causal, layout=layout, relayout=relayout, chunk=chunk)
+    natural = ring_axis is None and u > 1 and causal and layout != "contiguous" and not relayout
+    if natural:      # [B, T, h/u, H] in layout order -> natural order, where the causal mask holds
+        q, k, v = (zigzag.from_layout(a, u, layout, axis=1) for a in (q, k, v))
+    o = ring_attention_shard(q, k, v, axis=ring_axis, causal=causal, layout="contiguous" if ring_axis is None
+                             else layout, relayout=relayout, chunk=chunk)
+    if natural:
+        o = zigzag.to_layout(o, u, layout, axis=1)
     return _to_sequence(o, ulysses_axis) if u > 1 else o
 
 
-def ulysses_attention_shard(q, k, v, *, axis=CP, causal: bool = True):
-    """Ulysses alone over `axis`, inside shard_map: q [B, T/u, N, H], k and v [B, T/u, K, H]."""
-    return hybrid_attention_shard(q, k, v, ulysses_axis=axis, ring_axis=None, causal=causal)
+def ulysses_attention_shard(q, k, v, *, axis=CP, causal: bool = True, layout: str = "contiguous"):
+    """Ulysses alone over `axis`, inside shard_map: q [B, T/u, N, H], k and v [B, T/u, K, H],
+    this device's tokens of a sequence in `layout` order (zigzag.to_layout over u)."""
+    return hybrid_attention_shard(q, k, v, ulysses_axis=axis, ring_axis=None, causal=causal, layout=layout)
 
 
 def hybrid_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "contiguous", ring_axis: str | None = CP,
@@ -83,7 +94,9 @@ def hybrid_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "conti
     """2-D context parallelism on global arrays q [B, T, N, H], k and v [B, T, K, H]:
     Ulysses over `ulysses_axis` inside, ring attention over `ring_axis` outside; equal
     to reference.attention(q, k, v, causal=causal). Batch over dp and heads over tp
-    where the mesh has them. permute as in ring_attention (natural order in and out)."""
+    where the mesh has them. permute as in ring_attention (natural order in and out);
+    permute=False takes and returns the sequence in `layout` order over the ring's cp,
+    or over the Ulysses devices when ring_axis is None (zigzag.to_layout)."""
     errors.flag("causal", causal)
     errors.flag("permute", permute)
     zigzag.check_layout(layout)
@@ -98,13 +111,17 @@ def hybrid_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "conti
     if u > 1:
         kv_heads_sent(N // tp, K // tp, u, axis=ulysses_axis)
     mesh_lib.require_divisible("seq_len", T, mesh, axes, why="each device holds seq_len/(cp*u) tokens")
-    zigzag.check_sequence(T, cp, layout)
+    zigzag.check_sequence(T, cp if ring_axis else u, layout)
     shard = functools.partial(hybrid_attention_shard, ulysses_axis=ulysses_axis if u > 1 else None,
                               ring_axis=ring_axis, causal=causal, layout=layout, relayout=permute,
                               chunk=errors.whole("chunk", chunk, maximum=MAX_CHUNK))
     return jax.shard_map(shard, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
 
 
-def ulysses_attention(q, k, v, *, mesh, causal: bool = True, axis: str = CP, chunk: int = CHUNK):
-    """Ulysses on global arrays over `axis` (cp): equal to reference.attention."""
-    return hybrid_attention(q, k, v, mesh=mesh, causal=causal, ring_axis=None, ulysses_axis=axis, chunk=chunk)
+def ulysses_attention(q, k, v, *, mesh, causal: bool = True, axis: str = CP, layout: str = "contiguous",
+                      chunk: int = CHUNK):
+    """Ulysses on global arrays over `axis` (cp): equal to reference.attention. layout:
+    the order of the sequence in and out (zigzag: zigzag.to_layout over the cp devices,
+    as a composed model holds its tokens; the causal mask follows it)."""
+    return hybrid_attention(q, k, v, mesh=mesh, causal=causal, ring_axis=None, ulysses_axis=axis, layout=layout,
+                            permute=False, chunk=chunk)

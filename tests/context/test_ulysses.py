@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 from jaxpar import mesh as mesh_lib
+from jaxpar import reference
+from jaxpar.context import zigzag
 from jaxpar.context import ulysses
 from jaxpar.context.verify import attention_inputs, run_attention
 from jaxpar.testing import assert_close, max_abs_diff
@@ -74,3 +76,21 @@ def test_float64_agrees_near_1e_13(x64, method, sizes):
     run = run_attention(method, mesh_lib.make_mesh(**sizes), layout="zigzag", batch_size=4, dtype=jnp.float64)
     assert max_abs_diff(run.out, run.ref) < 1e-13
     assert_close(run.out, run.ref)
+
+
+@pytest.mark.parametrize("cp, kv", [(2, 1), (4, 2), (8, 8)])
+def test_ulysses_on_a_zigzag_sequence_masks_by_true_position(cp, kv):
+    """The tokens held in zigzag order (as the composed model holds them under
+    layout="zigzag"): the gathered sequence is in that order, and the causal mask must
+    follow the tokens' positions, not their places. Output and dQ, dK, dV against the
+    reference in natural order, moved into the layout."""
+    m = mesh_lib.make_mesh(dp=8 // cp, cp=cp)
+    q, k, v, do = attention_inputs(8 // cp, 4 * cp, 8, kv, 4)
+    zz = lambda a: zigzag.to_layout(a, cp, "zigzag", axis=1)
+    run = jax.jit(lambda q, k, v: ulysses.ulysses_attention(q, k, v, mesh=m, layout="zigzag"))
+    out, vjp = jax.vjp(run, zz(q), zz(k), zz(v))
+    want, want_vjp = jax.vjp(lambda q, k, v: reference.attention(q, k, v, causal=True), q, k, v)
+    assert_close(out, zz(want))
+    assert_close(vjp(zz(do)), tuple(zz(g) for g in want_vjp(do)))
+    plain = jax.jit(lambda q, k, v: ulysses.ulysses_attention(q, k, v, mesh=m))(zz(q), zz(k), zz(v))
+    assert max_abs_diff(plain, zz(want)) > 1e-3          # without the layout the mask is wrong

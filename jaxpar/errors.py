@@ -8,13 +8,15 @@ message names the value, the constraint and a fix, in Python's words
 
 The helpers below are the checks shared by every package: each returns the value it
 accepted (normalised: a numpy integer becomes an int) or raises ConfigError. They look
-at types and shapes only, never at traced values, and import nothing beyond the standard
-library, so the pure-Python parts (schedules, formulas, the planner) use them too.
+at types and shapes (for a path, at the filesystem), never at traced values, and import
+nothing beyond the standard library, so the pure-Python parts (schedules, formulas, the
+planner) use them too.
 """
 
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Iterable, Mapping
 
 
@@ -118,3 +120,37 @@ def _kind(dtype) -> str:
     if kind == "V" and ("float" in name):
         return "f"
     return kind
+
+
+def writable_path(name: str, path, *, directory: bool = False) -> str:
+    """`path` made absolute, if this process can write a file (or, with `directory`, a
+    directory) there: an existing one of that kind, or a new one in an existing folder.
+    The folder above a new path is not created: a mistyped path would otherwise grow a
+    whole tree in the wrong place. Writability is `os.access` for this user (root passes
+    the permission bits; a read-only filesystem refuses everyone)."""
+    kind = "directory" if directory else "file"
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ConfigError(f"{name}={path!r}: give the path of a {kind}")
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path):
+        if os.path.isdir(path) != directory:
+            raise ConfigError(f"{name}={path!r} is a {'directory' if os.path.isdir(path) else 'file'}, "
+                              f"not a {kind}: give the path of a {kind}")
+        place = path
+    else:
+        place = os.path.dirname(path)
+        above = place
+        while not os.path.exists(above):
+            above = os.path.dirname(above)
+        if not os.path.isdir(above):
+            raise ConfigError(f"{name}={path!r} lies under {above!r}, a file, not a folder: "
+                              f"give a {kind} in a folder")
+        if above != place:
+            raise ConfigError(f"{name}={path!r}: its folder {place!r} does not exist; "
+                              f"create it (mkdir -p {place}) or give a {kind} in an existing folder")
+    # a directory is entered (X) and written (W); an existing checkpoint directory is also listed (R)
+    need = (os.W_OK | os.X_OK | (os.R_OK if place == path else 0)) if os.path.isdir(place) else os.W_OK
+    if not os.access(place, need):
+        raise ConfigError(f"{name}={path!r}: {place!r} is not writable by this user; "
+                          f"give a {kind} where you may write")
+    return path

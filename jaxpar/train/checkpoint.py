@@ -1,30 +1,43 @@
 """Checkpoints with orbax, in the canonical layout: restore on any mesh.
 
-    ckpt = Checkpoints(directory, every=10)
-    ckpt.maybe_save(trainer, state)        # asynchronous, every `every` steps
-    state = ckpt.restore(trainer)          # the latest, onto trainer's mesh (any spec)
-    ckpt.wait()
+    with Checkpoints(directory, every=10) as ckpt:  # closing joins orbax's background threads
+        ckpt.maybe_save(trainer, state)              # asynchronous, every `every` steps
+        ckpt.save(trainer, state)                    # now (`fit` saves its last step so)
+        state = ckpt.restore(trainer)                # the latest, onto trainer's mesh (any spec)
 
 What is saved is `Trainer.canonical(state)`: the parameters in reference.init_params's
 structure, AdamW's state laid out the same way, and the step, whatever mesh and schedule
 wrote them; restoring lays them out for the restoring trainer's spec (pp4 x tp2, one
 device, ZeRO-1 or not). Alongside: a JSON record of the model and optimizer configs and
 a SHA-256 of every array. orbax writes a step into a temporary directory and renames it
-when complete, so a run killed mid-save leaves no step directory (the previous one is
-the latest); a step whose files are damaged fails its checksum (or orbax's read) and is
-refused with a `CheckpointError` that names it and the intact steps, which are kept.
+when complete, so a run killed mid-save leaves only `<step>.orbax-checkpoint-tmp`, which
+is never listed nor restored (the previous step is the latest); a step whose files are
+damaged fails its checksum (or orbax's read) and is refused with a `CheckpointError`
+that names it and the intact steps, which are kept.
+
+The directory is checked when a `Checkpoints` is made, before anything compiles: a
+regular file, a path under a file, a directory this user cannot write, or a new
+directory whose folder does not exist is a ConfigError (the directory itself is
+created, its folder is not). A save that fails or is interrupted while orbax starts it
+leaves orbax's background threads waiting for its coordination timeout (300 s), and the
+process cannot exit before: so the path is refused before the first save, and Ctrl-C
+during a save is delivered once orbax's threads have the save. Use `with` (or call
+`close()`): pending saves finish and orbax's threads are joined on every way out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
-import os
+import signal
+import threading
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxpar import errors
 from jaxpar.errors import ConfigError
 
 
@@ -51,11 +64,29 @@ def _config(trainer) -> dict:
             "dtype": str(np.dtype(trainer.dtype))}
 
 
+@contextlib.contextmanager
+def _ctrl_c_deferred():
+    """Ctrl-C (SIGINT) held until orbax has handed a save to its threads, then delivered:
+    a save interrupted half-started leaves threads waiting for signals that never come."""
+    if threading.current_thread() is not threading.main_thread():
+        yield                   # signals reach the main thread only
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda *_: held.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+        if held:
+            signal.raise_signal(signal.SIGINT)
+
+
 @dataclasses.dataclass(eq=False)
 class Checkpoints:
-    """directory: where steps go (one sub-directory each); every: save when the step
-    count is a multiple of it; keep: how many to keep; asynchronous: save in the
-    background (the step loop goes on while the files are written)."""
+    """directory: where steps go (one sub-directory each; created if missing, in an
+    existing folder); every: save when the step count is a multiple of it; keep: how many
+    to keep; asynchronous: save in the background (the step loop goes on while the files
+    are written)."""
 
     directory: str
     every: int = 10
@@ -63,13 +94,11 @@ class Checkpoints:
     asynchronous: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
-            raise ConfigError(f"checkpoint directory {self.directory!r}: give a path")
         for name in ("every", "keep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r}: give a whole number >= 1")
-        self.directory = os.path.abspath(os.fspath(self.directory))
+        self.directory = errors.writable_path("directory", self.directory, directory=True)
         options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, enable_async_checkpointing=self.asynchronous,
                                                create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
@@ -90,8 +119,9 @@ class Checkpoints:
         tree = {"params": params, "opt": {str(i): a for i, a in enumerate(jax.tree.leaves(opt))}}
         meta = {"step": step, "config": _config(trainer), "spec": trainer.spec.describe(),
                 "sha256": _digest([_host(a) for a in jax.tree.leaves(tree)])}
-        return self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
-                                                               meta=ocp.args.JsonSave(meta)), force=True)
+        with _ctrl_c_deferred():
+            return self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
+                                                                   meta=ocp.args.JsonSave(meta)), force=True)
 
     def maybe_save(self, trainer, state) -> bool:
         step = int(_host(state.step))

@@ -5,8 +5,10 @@ and resuming where a killed run left off.
 
 Batch i is `corpus.batch(i, ...)` whatever happened before, and a resumed run restores
 the latest intact checkpoint (on whatever mesh `trainer` has), so its losses are the
-uninterrupted run's. `log=` appends one JSON line per step (flushed: a killed run's log
-is complete up to its last step).
+uninterrupted run's. With `checkpoints`, the last step is saved too, a multiple of
+`every` or not, and `fit` returns once every save is on disk. `log=` appends one JSON
+line per step, `History.row`'s (flushed: a killed run's log is complete up to its last
+step); its path is checked before anything compiles.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 
 import jax
 
+from jaxpar import errors
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.data import Corpus
 from jaxpar.train.step import Trainer, TrainState
@@ -31,6 +34,14 @@ class History:
     lrs: list = dataclasses.field(default_factory=list)
     seconds: list = dataclasses.field(default_factory=list)     # wall time of each step (the first compiles)
     resumed_from: int | None = None
+
+    def row(self, k: int) -> dict:
+        """Step k's record (k = -1: the last): the `--json` history's and the log's lines."""
+        return {"step": self.steps[k], "loss": self.losses[k], "grad_norm": self.norms[k], "lr": self.lrs[k],
+                "seconds": self.seconds[k]}
+
+    def rows(self) -> list[dict]:
+        return [self.row(k) for k in range(len(self.steps))]
 
     def tokens_per_second(self, tokens_per_step: int) -> float:
         """Over the steps after the first (which compiles)."""
@@ -53,7 +64,10 @@ def fit(trainer: Trainer, *, steps: int, corpus: Corpus | None = None, state: Tr
         checkpoints: Checkpoints | None = None, log: str | None = None, progress: bool = True,
         key=None, on_step=None) -> tuple[TrainState, History]:
     """Train to `steps` steps in all; resume from `checkpoints`' latest step when it has
-    one (and no `state` is given). on_step(i, metrics) runs after each step."""
+    one (and no `state` is given), save every `checkpoints.every` steps and the last.
+    on_step(i, metrics) runs after each step. The caller owns `checkpoints` (close it,
+    or use `with`: its background threads end there)."""
+    log = errors.writable_path("log", log) if log is not None else None
     corpus = Corpus(vocab=trainer.cfg.vocab) if corpus is None else corpus
     history = History()
     if state is None and checkpoints is not None and checkpoints.latest() is not None:
@@ -77,8 +91,7 @@ def fit(trainer: Trainer, *, steps: int, corpus: Corpus | None = None, state: Tr
             history.lrs.append(float(metrics["lr"]))
             history.seconds.append(dt)
             if out:
-                out.write(json.dumps({"step": i, "loss": loss, "norm": history.norms[-1],
-                                      "lr": history.lrs[-1]}) + "\n")
+                out.write(json.dumps(history.row(-1)) + "\n")
                 out.flush()
             if checkpoints is not None:
                 checkpoints.maybe_save(trainer, state)
@@ -91,6 +104,8 @@ def fit(trainer: Trainer, *, steps: int, corpus: Corpus | None = None, state: Tr
         if progress and steps > start:
             sys.stderr.write("\n")
         if checkpoints is not None:
+            if steps > start:
+                checkpoints.save(trainer, state)        # the last step, whatever `every` is
             checkpoints.wait()
     finally:
         if out:

@@ -1,4 +1,5 @@
-"""Checkpoints: SIGKILL and resume, restore on other meshes, damaged steps refused."""
+"""Checkpoints: SIGKILL mid-save and resume, restore on other meshes, damaged steps refused,
+the last step saved, paths refused before anything runs."""
 
 import json
 import os
@@ -12,7 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.train import verify
+from jaxpar.errors import ConfigError
+from jaxpar.train import checkpoint, verify
 from jaxpar.train.checkpoint import CheckpointError, Checkpoints
 from jaxpar.train.loop import fit
 from jaxpar.train.spec import ParallelSpec
@@ -30,34 +32,42 @@ def _log(path) -> dict[int, float]:
     return out
 
 
-def _worker(directory, log, steps, every, pause=0.0):
+def _worker(directory, log, steps, every, hold=None):
     # the resumed run finds the killed run's compiled step in the persistent cache
     cache = Path(directory).parent / "jax-cache"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKER.parents[2]), os.environ.get("PYTHONPATH", "")]),
            "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    return subprocess.Popen([sys.executable, str(WORKER), str(directory), str(log), str(steps), str(every),
-                             str(pause)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    argv = [sys.executable, str(WORKER), str(directory), str(log), str(steps), str(every)]
+    return subprocess.Popen(argv + ([str(hold)] if hold else []), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
 
 
-def test_sigkill_mid_run_then_resume_gives_the_uninterrupted_losses_exactly(tmp_path):
-    steps, every = 10, 3
-    killed = _worker(tmp_path / "b", tmp_path / "b.jsonl", steps, every, pause=0.3)
+def test_sigkill_during_an_asynchronous_save_resumes_from_the_last_complete_step_exactly(tmp_path):
+    steps, every, d = 10, 3, tmp_path / "b"
+    killed = _worker(d, tmp_path / "b.jsonl", steps, every, hold=6)    # step 6's save never renames
     trainer = Trainer(CFG, SPEC, verify.OPTIM, batch_size=BATCH, seq_len=16)
     _, whole = fit(trainer, steps=steps, progress=False)           # meanwhile, the uninterrupted run here
     deadline = time.time() + 240
-    while time.time() < deadline and not (tmp_path / "b" / "6").exists():
+    while time.time() < deadline and not (tmp_path / "b.held").exists():
         assert killed.poll() is None, killed.stderr.read()
         time.sleep(0.1)
-    time.sleep(0.4)
-    killed.send_signal(signal.SIGKILL)
+    assert (tmp_path / "b.held").exists(), "the worker never reached step 6's save"
+    killed.send_signal(signal.SIGKILL)                             # while orbax's thread holds step 6
     killed.wait()
-    done_before = max(_log(tmp_path / "b.jsonl"))
-    assert done_before < steps - 1, "the run finished before it was killed"
-    resumed = _worker(tmp_path / "b", tmp_path / "b.jsonl", steps, every)
+    done_before = len((tmp_path / "b.jsonl").read_text().splitlines())
+    assert (d / "6.orbax-checkpoint-tmp" / "state").is_dir() and not (d / "6").exists()   # written, not renamed
+    with Checkpoints(d, every=every) as ckpt:
+        assert ckpt.steps() == [3] and ckpt.latest() == 3
+        with pytest.raises(CheckpointError, match="no checkpoint of step 6"):
+            ckpt.restore(trainer, step=6)
+    resumed = _worker(d, tmp_path / "b.jsonl", steps, every)
     assert resumed.wait(timeout=240) == 0, resumed.stderr.read()
+    rows = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert rows[done_before]["step"] == 3                          # the resumed run started from step 3
     b = _log(tmp_path / "b.jsonl")
     assert sorted(b) == list(range(steps))
     assert whole.losses == [b[i] for i in range(steps)]      # exactly
+    assert Checkpoints(d).steps() == [6, 9, 10]              # the last step (10) is saved though every=3
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +120,49 @@ def test_a_checkpoint_of_another_model_is_refused(saved):
     other = Trainer(verify.MOE, ParallelSpec(), verify.OPTIM, batch_size=BATCH, seq_len=16, devices=jax.devices()[:1])
     with pytest.raises(CheckpointError, match="another model"):
         Checkpoints(directory).restore(other)
+
+
+def test_the_last_step_is_saved_whatever_every_is_and_the_log_holds_the_history_rows(tmp_path):
+    trainer = Trainer(CFG, ParallelSpec(), verify.OPTIM, batch_size=BATCH, seq_len=16, devices=jax.devices()[:1])
+    with pytest.raises(ConfigError, match="is a directory, not a file"):
+        fit(trainer, steps=3, log=tmp_path, progress=False)
+    with Checkpoints(tmp_path / "c", every=2) as ckpt:
+        _, history = fit(trainer, steps=3, checkpoints=ckpt, log=tmp_path / "log.jsonl", progress=False)
+        assert ckpt.steps() == [2, 3]
+    rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert rows == history.rows() and [r["step"] for r in rows] == [0, 1, 2]
+    assert set(rows[0]) == {"step", "loss", "grad_norm", "lr", "seconds"} and rows[0]["seconds"] > 0
+
+
+@pytest.mark.parametrize("where,match", [
+    ("file", "is a file, not a directory"),
+    ("file/ckpt", "lies under .*file', a file"),
+    ("missing/ckpt", r"folder .*missing' does not exist; create it \(mkdir -p"),
+])
+def test_a_checkpoint_path_that_cannot_become_a_directory_is_refused(tmp_path, where, match):
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(ConfigError, match=f"directory='.*{where}'.*{match}"):
+        Checkpoints(tmp_path / where)
+    assert sorted(os.listdir(tmp_path)) == ["file"]             # nothing created
+
+
+def test_a_checkpoint_directory_this_user_cannot_write_is_refused(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    places = [locked / "ckpt"] if not os.access(locked, os.W_OK) else []    # root passes permission bits
+    if os.path.isdir("/proc/1"):
+        places.append(Path("/proc/1/ckpt"))       # procfs: no one, root included, creates a directory there
+    if not places:
+        pytest.skip("running as root without procfs: no place this process cannot write")
+    for place in places:
+        with pytest.raises(ConfigError, match="is not writable by this user"):
+            Checkpoints(place)
+
+
+def test_ctrl_c_during_a_save_is_delivered_once_orbax_has_the_save():
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with checkpoint._ctrl_c_deferred():
+            signal.raise_signal(signal.SIGINT)
+            reached.append("the rest of the save")
+    assert reached and signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -11,7 +11,8 @@
 A subcommand module (COMMANDS) exposes HELP, FLAGS (the library's Python names and the
 flags that set them), add_arguments(parser) and main(args) -> int. A ConfigError (input
 the library refuses) prints as one line, in the command's flags, with exit status 2;
-any other exception is a bug and keeps its traceback. Modules are imported late, so
+Ctrl-C prints one line with status 130 (the shell's 128 + SIGINT); any other exception
+is a bug and keeps its traceback. Modules are imported late, so
 `jaxpar schedule` and `jaxpar --help` never start JAX.
 """
 
@@ -95,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         line = translate(str(e), args.flags).splitlines()[0]
         print(f"jaxpar {args.command}: error: {line}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:   # the command's `with` blocks have closed what they opened
+        print(f"jaxpar {args.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # `jaxpar schedule ... | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -3,21 +3,27 @@
     jaxpar train --mesh dp=2,pp=2,tp=2 --schedule 1f1b --steps 200
     jaxpar train --mesh pp=2,cp=2,ep=2 --experts 4 --microbatches 2 --steps 50
     jaxpar train --mesh dp=4,tp=2 --sp --zero 1 --checkpoint run/ckpt --every 20   (resumes if killed)
+    jaxpar train --mesh dp=2 --steps 50 --log run/steps.jsonl --json
 
 Ends with a summary: loss curve PNG, tokens/s, memory per device (compiled), and the
-collectives of one step against the techniques' formulas (`jaxpar.train.summary`).
+collectives of one step against the techniques' formulas (`jaxpar.train.summary`);
+`--json` adds the history, one row per step (step, loss, grad_norm, lr, seconds), the
+rows `--log` writes as JSON lines while training. The checkpoint directory and the log
+are checked before JAX starts; the checkpoints' threads are closed on every way out.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 FLAGS = {"dp": "--mesh dp", "pp": "--mesh pp", "tp": "--mesh tp", "cp": "--mesh cp", "ep": "--mesh ep",
          "microbatches": "--microbatches", "batch_size": "--batch", "seq_len": "--seq", "n_layers": "--layers",
          "n_heads": "--heads", "n_kv_heads": "--kv-heads", "vocab": "--vocab", "n_experts": "--experts",
          "d_ff": "--ffn", "chunks": "--chunks", "zero": "--zero", "attention": "--attention", "layout": "--layout",
-         "schedule": "--schedule", "steps": "--steps", "warmup": "--warmup", "lr": "--lr", "every": "--every"}
+         "schedule": "--schedule", "steps": "--steps", "warmup": "--warmup", "lr": "--lr", "every": "--every",
+         "directory": "--checkpoint", "log": "--log"}
 HELP = "train the composed model on a dp x pp x tp x cp x ep mesh (lecture 7), with a summary"
 
 
@@ -45,8 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps / 10)")
     parser.add_argument("--clip", type=float, default=1.0)
-    parser.add_argument("--checkpoint", default=None, help="directory: save every --every steps, resume from it")
+    parser.add_argument("--checkpoint", default=None,
+                        help="directory (its folder must exist): save every --every steps and the last, resume from it")
     parser.add_argument("--every", type=int, default=20)
+    parser.add_argument("--log", default=None,
+                        help="append one JSON line per step to this file (its folder must exist)")
     parser.add_argument("--out", default="jaxpar-train", help="where the loss curve goes (default jaxpar-train/)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--devices", type=int, default=None, help="fake CPU devices (default: the mesh's)")
@@ -72,6 +81,12 @@ def main(args) -> int:
                                 rope_theta=10000.0)
     batch = spec.dp * spec.ep * m if args.batch is None else args.batch
     spec.check(cfg, batch_size=batch, seq_len=args.seq)        # every problem, before JAX starts
+    from jaxpar import errors
+
+    if args.checkpoint is not None:
+        errors.writable_path("directory", args.checkpoint, directory=True)
+    if args.log is not None:
+        errors.writable_path("log", args.log)
 
     import jax
 
@@ -80,23 +95,35 @@ def main(args) -> int:
     from jaxpar.train.loop import fit
     from jaxpar.train.optim import OptimConfig
     from jaxpar.train.step import Trainer
-    from jaxpar.train.summary import format_summary, summarize
 
     warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
     optim = OptimConfig(lr=args.lr, warmup=min(warmup, args.steps), steps=args.steps, clip=args.clip)
     if args.platform == "cpu":
         jax.config.update("jax_platforms", "cpu")
     mesh.use_cpu_devices(spec.devices if args.devices is None else args.devices)
-    trainer = Trainer(cfg, spec, optim, batch_size=batch, seq_len=args.seq, devices=jax.devices()[:spec.devices])
-    ckpt = Checkpoints(args.checkpoint, every=args.every) if args.checkpoint else None
-    _, history = fit(trainer, steps=args.steps, checkpoints=ckpt, progress=not (args.quiet or args.json))
+    with contextlib.ExitStack() as stack:    # the checkpoints' threads end here, whatever is raised
+        ckpt = stack.enter_context(Checkpoints(args.checkpoint, every=args.every)) if args.checkpoint else None
+        trainer = Trainer(cfg, spec, optim, batch_size=batch, seq_len=args.seq, devices=jax.devices()[:spec.devices])
+        _, history = fit(trainer, steps=args.steps, checkpoints=ckpt, log=args.log,
+                         progress=not (args.quiet or args.json))
+    return _report(args, trainer, history)
+
+
+def _report(args, trainer, history) -> int:
+    if not history.steps:       # resumed from a checkpoint of the last step: nothing to train, nothing to measure
+        done = history.resumed_from or 0
+        print(json.dumps({"steps": 0, "resumed_from": done, "history": []}) if args.json else
+              f"nothing to train: the checkpoint is at step {done} of --steps {args.steps}")
+        return 0
+    from jaxpar.train.summary import format_summary, summarize
+
     summary = summarize(trainer, history, out=args.out)
-    if ckpt is not None:
-        ckpt.close()
     if args.json:
         c = summary["collectives"]
         summary["collectives"] = {k: (v.to_json() if hasattr(v, "to_json") else {str(n): b for n, b in v.items()}
                                       if isinstance(v, dict) else v) for k, v in c.items()}
+        summary["resumed_from"] = history.resumed_from
+        summary["history"] = history.rows()
         print(json.dumps(summary, indent=1, default=str))
     else:
         if history.resumed_from is not None:

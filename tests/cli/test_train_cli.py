@@ -1,7 +1,14 @@
-"""`jaxpar train`: a short run's summary, its JSON, and one-line errors before compiling."""
+"""`jaxpar train`: a short run's summary, its JSON and log, and one-line errors before compiling."""
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -25,17 +32,77 @@ def test_a_short_run_ends_with_its_summary(capsys, tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
 
-def test_json_summary_with_zero1_and_a_resumed_checkpoint(capsys, tmp_path):
-    args = ["train", "--mesh", "dp=4,tp=2", "--zero", "1", "--sp", "--steps", "4", "--checkpoint", str(tmp_path / "c"),
-            "--every", "2", "--out", str(tmp_path), "--json", *SMALL]
+# one request, so the in-process runs below share one compiled step (Trainer's cache)
+ZERO1 = ["train", "--mesh", "dp=4,tp=2", "--zero", "1", "--sp", "--steps", "3", *SMALL]
+
+
+def test_json_history_log_last_step_saved_and_resumed_with_zero1(capsys, tmp_path):
+    log = tmp_path / "steps.jsonl"
+    args = [*ZERO1, "--checkpoint", str(tmp_path / "c"), "--every", "2", "--log", str(log), "--out", str(tmp_path),
+            "--json"]
     code, out, err = run(capsys, *args)
     assert code == 0, err
     data = json.loads(out)
-    assert data["collectives_match"] and data["steps"] == 4 and data["collectives"]["expected_zero"]["all-gather"] > 0
-    shutil.rmtree(tmp_path / "c" / "4")          # as if killed after step 2's save: resumes there
+    assert data["collectives_match"] and data["steps"] == 3 and data["collectives"]["expected_zero"]["all-gather"] > 0
+    assert [r["step"] for r in data["history"]] == [0, 1, 2] and data["resumed_from"] is None
+    assert set(data["history"][0]) == {"step", "loss", "grad_norm", "lr", "seconds"}
+    assert data["history"][-1]["loss"] == data["last_loss"] and data["history"][0]["lr"] < data["history"][1]["lr"]
+    assert [json.loads(line) for line in log.read_text().splitlines()] == data["history"]   # the same rows
+    assert sorted(os.listdir(tmp_path / "c")) == ["2", "3"]      # step 3 is saved though --every 2
+    shutil.rmtree(tmp_path / "c" / "3")          # as if killed after step 2's save: resumes there
     code, out, err = run(capsys, *args)
     assert code == 0, err
-    assert json.loads(out)["steps"] == 2
+    data = json.loads(out)
+    assert data["steps"] == 1 and data["resumed_from"] == 2 and [r["step"] for r in data["history"]] == [2]
+    assert json.loads(log.read_text().splitlines()[-1]) == data["history"][0]
+    code, out, err = run(capsys, *[a for a in args if a != "--json"])     # at step 3 of 3: nothing to train
+    assert code == 0 and out == "nothing to train: the checkpoint is at step 3 of --steps 3\n", err
+
+
+def _jaxpar(*argv, timeout=120):
+    """`python -m jaxpar` in its own process: (exit code, stderr, seconds); a hang fails the test."""
+    t0 = time.perf_counter()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-m", "jaxpar", *argv], env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    return p.returncode, p.stderr, time.perf_counter() - t0
+
+
+def test_a_bad_checkpoint_directory_exits_at_once_in_one_line(tmp_path):
+    """A regular file as --checkpoint is refused before JAX starts (it used to fail in
+    orbax's first save, whose threads then kept the process alive); a step that cannot be
+    restored fails once the checkpoints are open, and the process still exits."""
+    (tmp_path / "file").write_text("not a directory")
+    (tmp_path / "c" / "5").mkdir(parents=True)           # a step directory without a record
+    base = ["train", "--mesh", "dp=2", "--steps", "8", *SMALL, "--devices", "2"]
+    code, err, seconds = _jaxpar(*base, "--checkpoint", str(tmp_path / "file"))
+    assert code == 2 and seconds < 60, (code, seconds, err)
+    assert err == f"jaxpar train: error: --checkpoint '{tmp_path / 'file'}' is a file, not a directory: give the " \
+                  "path of a directory\n"
+    code, err, seconds = _jaxpar(*base, "--checkpoint", str(tmp_path / "c"))
+    assert code == 2 and seconds < 60, (code, seconds, err)
+    last = err.splitlines()[-1]      # after orbax's own warning about the missing record
+    assert last.startswith(f"jaxpar train: error: checkpoint step 5 in {tmp_path / 'c'} is refused"), err
+
+
+def test_ctrl_c_mid_run_is_one_line_and_closes_the_checkpoints_after_their_save(capsys, tmp_path, monkeypatch):
+    from jaxpar.train.checkpoint import Checkpoints
+
+    maybe_save = Checkpoints.maybe_save
+
+    def then_ctrl_c(self, trainer, state):
+        started = maybe_save(self, trainer, state)
+        if started:
+            signal.raise_signal(signal.SIGINT)     # a real SIGINT, while orbax may still write the step
+        return started
+
+    monkeypatch.setattr(Checkpoints, "maybe_save", then_ctrl_c)
+    before = set(threading.enumerate())
+    code, out, err = run(capsys, *ZERO1, "--checkpoint", str(tmp_path / "c"), "--every", "2", "--out", str(tmp_path))
+    assert code == 130 and out == "" and err == "jaxpar train: interrupted\n", err
+    assert os.listdir(tmp_path / "c") == ["2"]            # complete: no orbax-checkpoint-tmp left
+    assert not [t for t in threading.enumerate() if t not in before and not t.daemon]   # orbax's threads ended
 
 
 @pytest.mark.parametrize("argv,piece", [
@@ -46,6 +113,10 @@ def test_json_summary_with_zero1_and_a_resumed_checkpoint(capsys, tmp_path):
     (["--mesh", "dp=2", "--schedule", "nope"], "schedule"),
     (["--mesh", "dp=2", "--zero", "3"], "zero"),
     (["--mesh", "ep=2"], "dense"),
+    (["--mesh", "dp=2", "--checkpoint", "/dev/null"], "--checkpoint '/dev/null' is a file, not a directory"),
+    (["--mesh", "dp=2", "--checkpoint", "/dev/null/ckpt"], "lies under '/dev/null', a file"),
+    (["--mesh", "dp=2", "--log", "/"], "--log '/' is a directory, not a file"),
+    (["--mesh", "dp=2", "--log", "/no-such-jaxpar-dir/steps.jsonl"], "'/no-such-jaxpar-dir' does not exist"),
 ])
 def test_bad_input_is_one_line(capsys, argv, piece):
     code, out, err = run(capsys, "train", "--steps", "2", *argv, *SMALL[:-1], "--layers", "4", "--batch", "4")

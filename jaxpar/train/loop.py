@@ -1,7 +1,8 @@
 """The training loop: batches from the corpus, the step, a progress bar, checkpoints,
 and resuming where a killed run left off.
 
-    state, history = fit(trainer, steps=200, checkpoints=Checkpoints("ckpt", every=20))
+    with Checkpoints("ckpt", every=20) as ckpt:        # its background threads end with the block
+        state, history = fit(trainer, steps=200, checkpoints=ckpt, log="steps.jsonl")
 
 Batch i is `corpus.batch(i, ...)` whatever happened before, and a resumed run restores
 the latest intact checkpoint (on whatever mesh `trainer` has), so its losses are the

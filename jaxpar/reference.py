@@ -15,7 +15,18 @@ Parameters are a plain pytree:
         mlp_norm [L, D]
         dense MLP:  w_up [L, D, F]; w_gate [L, D, F] (SwiGLU only); w_down [L, F, D]
         MoE:        router [L, D, E]; w_up [L, E, D, F]; w_gate [L, E, D, F] (SwiGLU only);
-                    w_down [L, E, F, D]
+                    w_down [L, E, F, D]; router_bias [L, E] (DeepSeek-V3's selection bias,
+                    only with router="sigmoid" and bias_rate > 0: not a weight, set by
+                    the balancing rule, not by gradients)
+
+Load balancing (MoE only). Each sequence is a routing group (GShard; DeepSeek-V3's
+sequence-wise balance loss): for sequence b and layer l, f_e is the fraction of its
+T*k token-slots sent to expert e, P_e the mean over its T tokens of the router's
+probability of e (for the sigmoid router, the scores normalised to sum to 1 over the
+experts), and aux[l, b] = E * sum_e f_e P_e: 1 when balanced, E when collapsed on one
+expert. `loss` adds aux_loss * sum over layers of the mean over sequences. The load
+load[l, e] is the number of token-slots of the whole batch sent to e; a trainer moves
+router_bias by bias_rate * sign(mean load - load) after each step.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ from jaxpar.errors import ConfigError
 
 
 MAX_SIZE = 1 << 24  # any width, head count or layer count above this is a typo, not a model
+ROUTERS = ("softmax", "sigmoid")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,6 +66,10 @@ class ModelConfig:
     causal: bool = True
     norm_eps: float = 1e-6
     rope_theta: float = 0.0  # rotary position embedding base (Llama: 10000); 0 = none
+    # 0 and softmax leave the model as it was: no balancing term, no bias
+    router: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid: DeepSeek-V3 (top-k of sigmoid + bias)
+    aux_loss: float = 0.0    # alpha, the weight of the balance loss (Switch: 1e-2; DeepSeek-V3: 1e-4)
+    bias_rate: float = 0.0   # gamma, the selection bias' step per update (DeepSeek-V3: 1e-3); sigmoid only
 
     def __post_init__(self):
         for name in ("vocab", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "n_layers", "top_k"):
@@ -80,6 +96,30 @@ class ModelConfig:
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ConfigError(f"top_k={self.top_k} must be in 1..n_experts={self.n_experts}: each token "
                               f"picks top_k distinct experts. Fix: top_k={min(2, self.n_experts)}")
+        self._check_balancing()
+
+    def _check_balancing(self):
+        errors.one_of("router", self.router, ROUTERS)
+        for name, example in (("aux_loss", "aux_loss=0.01 (Switch)"), ("bias_rate", "bias_rate=0.001 (DeepSeek-V3)")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ConfigError(f"{name}={value!r}: give a finite number >= 0 (0: off), e.g. {example}")
+        if not self.n_experts and (self.router != "softmax" or self.aux_loss or self.bias_rate):
+            raise ConfigError(f"router={self.router!r}, aux_loss={self.aux_loss}, bias_rate={self.bias_rate} on a "
+                              "dense model (n_experts=0): routing and load balancing need experts. Fix: "
+                              "n_experts >= 1, or router='softmax', aux_loss=0, bias_rate=0")
+        if self.bias_rate and self.router != "sigmoid":
+            raise ConfigError(f"bias_rate={self.bias_rate} with router={self.router!r}: the selection bias is "
+                              "DeepSeek-V3's, added to sigmoid scores. Fix: router='sigmoid', or bias_rate=0")
+        if self.router == "sigmoid" and not self.moe_renormalize:
+            raise ConfigError("router='sigmoid' with moe_renormalize=False: DeepSeek-V3's gates are the chosen "
+                              "sigmoid scores normalised to sum to 1. Fix: moe_renormalize=True, or "
+                              "router='softmax'")
+
+    @property
+    def router_bias(self) -> bool:
+        """Whether the blocks hold DeepSeek-V3's selection bias (updated at rate bias_rate)."""
+        return self.bias_rate > 0
 
 
 def init_params(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32) -> dict:
@@ -121,6 +161,8 @@ def _init_params(key: jax.Array, cfg: ModelConfig, dtype) -> dict:
         drawn[name] = (flat[offset:offset + size].reshape(shape) / math.sqrt(fan_in)).astype(dtype)
         offset += size
     blocks = {name: drawn[name] for name in weights if name not in ("embed", "unembed")}
+    if cfg.router_bias:
+        blocks["router_bias"] = jnp.zeros((L, E), dtype)
     blocks["attn_norm"] = jnp.ones((L, D), dtype)
     blocks["mlp_norm"] = jnp.ones((L, D), dtype)
     return {
@@ -203,44 +245,107 @@ def mlp(p: dict, x, *, kind: str = "gelu"):
     return hidden @ p["w_down"]
 
 
-def router_weights(router, x, *, top_k: int, renormalize: bool = True):
-    """Softmax router, top-k. x: [..., D] -> gates [..., E], zero outside each token's top-k."""
-    probs = jax.nn.softmax(x @ router, axis=-1)
-    top_vals, top_idx = jax.lax.top_k(probs, top_k)
-    if renormalize:
+def router_choice(router, x, *, top_k: int, renormalize: bool = True, kind: str = "softmax", bias=None):
+    """The router's decision for tokens x [..., D] -> (gates [..., E], zero outside each
+    token's top-k; chosen [..., E], 1 on its top-k; scores [..., E]).
+
+    softmax: scores = softmax(x W); the top-k of the scores, renormalised to sum to 1
+    (Mixtral) or left raw (Switch/GShard). sigmoid (DeepSeek-V3): scores = sigmoid(x W);
+    the top-k of scores + bias are chosen (the bias chooses, it is no gate and gets no
+    gradient); the gates are the chosen scores normalised to sum to 1."""
+    logits = x @ router
+    E = logits.shape[-1]
+    if kind == "softmax" and bias is not None:
+        raise ConfigError("a selection bias (router_bias) goes with the sigmoid router: give kind='sigmoid' "
+                          "(ModelConfig(router='sigmoid')), or no bias")
+    if kind == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+        top_vals, top_idx = jax.lax.top_k(scores, top_k)
+        if renormalize:
+            top_vals = top_vals / jnp.sum(top_vals, axis=-1, keepdims=True)
+    elif kind == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        choice = scores if bias is None else scores + jax.lax.stop_gradient(bias)
+        top_idx = jax.lax.top_k(choice, top_k)[1]
+        top_vals = jnp.take_along_axis(scores, top_idx, axis=-1)
         top_vals = top_vals / jnp.sum(top_vals, axis=-1, keepdims=True)
-    one_hot = jax.nn.one_hot(top_idx, probs.shape[-1], dtype=probs.dtype)  # [..., k, E]
-    return jnp.einsum("...k,...ke->...e", top_vals, one_hot)
+    else:
+        raise ConfigError(f"router kind {kind!r}: use one of {', '.join(map(repr, ROUTERS))}")
+    one_hot = jax.nn.one_hot(top_idx, E, dtype=scores.dtype)  # [..., k, E]
+    return jnp.einsum("...k,...ke->...e", top_vals, one_hot), jnp.sum(one_hot, axis=-2), scores
 
 
-def moe(p: dict, x, *, top_k: int, kind: str = "gelu", renormalize: bool = True):
-    """Mixture of experts, every expert run on every token, mixed by the top-k gates.
-    No capacity, nothing dropped. x: [..., D]."""
-    gates = router_weights(p["router"], x, top_k=top_k, renormalize=renormalize)
+def router_weights(router, x, *, top_k: int, renormalize: bool = True, kind: str = "softmax", bias=None):
+    """The gates [..., E] of `router_choice`: zero outside each token's top-k."""
+    return router_choice(router, x, top_k=top_k, renormalize=renormalize, kind=kind, bias=bias)[0]
+
+
+def balance_loss(scores, chosen, *, top_k: int, kind: str = "softmax"):
+    """The Switch/GShard balance loss of each sequence: scores, chosen [B, T, E] ->
+    aux [B] = E * sum_e f_e P_e, f_e = (token-slots of the sequence sent to e) / (T k),
+    P_e = mean over its tokens of the probability of e (sigmoid scores normalised over
+    the experts first, DeepSeek-V3's sequence-wise loss). 1 when balanced."""
+    probs = scores if kind == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
+    T, E = scores.shape[-2], scores.shape[-1]
+    f = jnp.sum(chosen, axis=-2) / (T * top_k)                  # [B, E]
+    return E * jnp.sum(f * jnp.mean(probs, axis=-2), axis=-1)
+
+
+def moe_and_routing(p: dict, x, *, top_k: int, kind: str = "gelu", renormalize: bool = True,
+                    router: str = "softmax"):
+    """(`moe`'s output, chosen [..., E], scores [..., E]): see router_choice. The selection
+    bias is p["router_bias"] [E] when the layer has one."""
+    gates, chosen, scores = router_choice(p["router"], x, top_k=top_k, renormalize=renormalize, kind=router,
+                                          bias=p.get("router_bias"))
     out = jnp.zeros_like(x)
     for e in range(p["router"].shape[-1]):
         expert = {name: p[name][e] for name in ("w_up", "w_gate", "w_down") if name in p}
         out = out + gates[..., e:e + 1] * mlp(expert, x, kind=kind)
-    return out
+    return out, chosen, scores
+
+
+def moe(p: dict, x, *, top_k: int, kind: str = "gelu", renormalize: bool = True, router: str = "softmax"):
+    """Mixture of experts, every expert run on every token, mixed by the top-k gates.
+    No capacity, nothing dropped. x: [..., D]."""
+    return moe_and_routing(p, x, top_k=top_k, kind=kind, renormalize=renormalize, router=router)[0]
+
+
+def block_and_balance(p: dict, x, cfg: ModelConfig):
+    """`block`'s output and its load-balancing terms: (y [B, T, D], aux [B] per sequence
+    (`balance_loss`), load [E] token-slots per expert; a dense block: zeros, [0])."""
+    h = x + attention_layer(p, rms_norm(x, p["attn_norm"], cfg.norm_eps), causal=cfg.causal,
+                            rope_theta=cfg.rope_theta)
+    z = rms_norm(h, p["mlp_norm"], cfg.norm_eps)
+    if not cfg.n_experts:
+        return h + mlp(p, z, kind=cfg.mlp), jnp.zeros(x.shape[:1], x.dtype), jnp.zeros((0,), jnp.float32)
+    y, chosen, scores = moe_and_routing(p, z, top_k=cfg.top_k, kind=cfg.mlp, renormalize=cfg.moe_renormalize,
+                                        router=cfg.router)
+    aux = balance_loss(scores, chosen, top_k=cfg.top_k, kind=cfg.router)
+    return h + y, aux, jnp.sum(chosen, axis=(0, 1), dtype=jnp.float32)
 
 
 def block(p: dict, x, cfg: ModelConfig):
     """Pre-norm block: h = x + attn(norm(x)); y = h + mlp_or_moe(norm(h)). x: [B, T, D]."""
-    h = x + attention_layer(p, rms_norm(x, p["attn_norm"], cfg.norm_eps), causal=cfg.causal,
-                            rope_theta=cfg.rope_theta)
-    z = rms_norm(h, p["mlp_norm"], cfg.norm_eps)
-    if cfg.n_experts:
-        return h + moe(p, z, top_k=cfg.top_k, kind=cfg.mlp, renormalize=cfg.moe_renormalize)
-    return h + mlp(p, z, kind=cfg.mlp)
+    return block_and_balance(p, x, cfg)[0]
+
+
+def forward_and_balance(params: dict, tokens, cfg: ModelConfig):
+    """tokens: int[B, T] -> (logits [B, T, V], aux [L, B], load [L, E]): every layer's
+    balance loss per sequence and load per expert (`block_and_balance`)."""
+    errors.array("tokens", tokens, ndim=2, kinds="iu", shape_doc="tokens[batch, seq] of token ids")
+    x = params["embed"][tokens]
+    auxes, loads = [], []
+    for i in range(cfg.n_layers):
+        x, aux, load = block_and_balance(layer_params(params, i), x, cfg)
+        auxes.append(aux)
+        loads.append(load)
+    logits = rms_norm(x, params["final_norm"], cfg.norm_eps) @ params["unembed"]
+    return logits, jnp.stack(auxes), jnp.stack(loads)
 
 
 def forward(params: dict, tokens, cfg: ModelConfig):
     """tokens: int[B, T] -> logits [B, T, V]."""
-    errors.array("tokens", tokens, ndim=2, kinds="iu", shape_doc="tokens[batch, seq] of token ids")
-    x = params["embed"][tokens]
-    for i in range(cfg.n_layers):
-        x = block(layer_params(params, i), x, cfg)
-    return rms_norm(x, params["final_norm"], cfg.norm_eps) @ params["unembed"]
+    return forward_and_balance(params, tokens, cfg)[0]
 
 
 def cross_entropy(logits, targets):
@@ -255,10 +360,21 @@ def lm_head_loss(x, final_norm, unembed, targets, eps: float = 1e-6):
     return cross_entropy(rms_norm(x, final_norm, eps) @ unembed, targets)
 
 
-def loss(params: dict, tokens, cfg: ModelConfig):
-    """Next-token cross-entropy: position t predicts token t+1. tokens: int[B, T]."""
+def loss_and_balance(params: dict, tokens, cfg: ModelConfig):
+    """(`loss`, {"aux": [L, B], "load": [L, E]}): the loss and the balancing terms it was
+    made of (`forward_and_balance`), for a trainer's bias update."""
     shape = errors.array("tokens", tokens, ndim=2, kinds="iu", shape_doc="tokens[batch, seq + 1] of token ids")
     if shape[1] < 2:
         raise ConfigError(f"tokens has shape {shape}: next-token prediction needs at least 2 positions per row")
-    logits = forward(params, tokens[:, :-1], cfg)
-    return cross_entropy(logits, tokens[:, 1:])
+    logits, aux, load = forward_and_balance(params, tokens[:, :-1], cfg)
+    total = cross_entropy(logits, tokens[:, 1:])
+    if cfg.aux_loss:
+        total = total + cfg.aux_loss * jnp.sum(jnp.mean(aux, axis=1))
+    return total, {"aux": aux, "load": load}
+
+
+def loss(params: dict, tokens, cfg: ModelConfig):
+    """Next-token cross-entropy: position t predicts token t+1, plus aux_loss times the
+    balance loss (summed over layers, mean over sequences) when aux_loss > 0.
+    tokens: int[B, T+1]."""
+    return loss_and_balance(params, tokens, cfg)[0]

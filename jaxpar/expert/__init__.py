@@ -1,7 +1,7 @@
 """Expert parallelism (lecture section 6): routing, all-to-all dispatch and combine, capacity.
 
     router    softmax top-k and DeepSeek-V3's sigmoid router with a selection bias; the
-              Switch/GShard load-balancing loss; expert load
+              Switch/GShard load-balancing loss (whole, or per sequence); expert load
     dispatch  ep_moe: pack per-expert buffers, all-to-all, local experts, all-to-all back;
               capacity and drops; MoEStats
     formulas  the collectives and bytes in closed form, exercise 7 (pure Python)
@@ -18,8 +18,10 @@ from jaxpar import lazy
 
 # public name -> the module of this package that defines it
 _EXPORTS = {
-    "router": ("Routing", "expert_load", "load_balancing_loss", "route", "update_bias"),
+    "router": ("Routing", "balance_probs", "expert_load", "load_balancing_loss", "route", "sequence_balance_loss",
+               "sequence_sums", "update_bias"),
     "dispatch": ("MoEStats", "ep_moe", "ep_moe_shard", "positions"),
-    "formulas": ("capacity", "dispatch_bytes", "ep_moe_collectives", "exercise_7"),
+    "formulas": ("balance_collectives", "balance_reduction", "capacity", "dispatch_bytes", "ep_moe_collectives",
+                 "exercise_7"),
 }
 __getattr__, __dir__, __all__ = lazy.exports(__name__, _EXPORTS)

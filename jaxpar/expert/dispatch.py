@@ -74,13 +74,16 @@ def _experts(p: dict, h, kind: str):
 
 
 def ep_moe_shard(p: dict, x, *, axis=EP, top_k: int, capacity_factor=None, drop: str = "position",
-                 kind: str = "gelu", router_kind: str = "softmax", renormalize: bool = True, bias=None):
+                 kind: str = "gelu", router_kind: str = "softmax", renormalize: bool = True, bias=None,
+                 routing=None):
     """The MoE layer on this device's tokens x [t, D], inside shard_map over `axis`.
 
     p: "router" [D, E] (replicated), "w_up" [E/ep, D, F], "w_down" [E/ep, F, D] (and
     "w_gate" for SwiGLU): this device's experts, expert e on device e // (E/ep).
     Returns (y [t, D], kept [E], dropped [E]): assignments of this device's tokens each
-    expert took and dropped. axis=None is one device, nothing sent."""
+    expert took and dropped. axis=None is one device, nothing sent. routing: the
+    `router.route` of x, when the caller took it (to read its balance statistics);
+    default: routed here."""
     errors.one_of("drop", drop, DROPS)
     errors.one_of("kind", kind, ("gelu", "swiglu"))
     t, D = errors.array("x", x, ndim=2, kinds="f", shape_doc="x[tokens, d_model]")
@@ -96,7 +99,8 @@ def ep_moe_shard(p: dict, x, *, axis=EP, top_k: int, capacity_factor=None, drop:
             got = "missing" if name not in p else f"shape {tuple(p[name].shape)}"
             raise ConfigError(f"expert weight {name} is {got}: each of the ep={ep} devices holds "
                               f"E/ep={local} experts, so it needs leading size {local}")
-    r = route(p["router"], x, top_k=top_k, kind=router_kind, renormalize=renormalize, bias=bias)
+    r = route(p["router"], x, top_k=top_k, kind=router_kind, renormalize=renormalize, bias=bias) \
+        if routing is None else routing
     C = capacity(t, top_k, E, capacity_factor)
     buf, slot, keep = pack(x, r.experts, r.weights, n_experts=E, capacity=C, drop=drop)
     out = exchange(_experts(p, exchange(buf.reshape(ep, local, C, D), axis), kind), axis)

@@ -9,8 +9,13 @@
               balancing with no auxiliary loss.
 
 `load_balancing_loss` is the Switch/GShard auxiliary loss, E * sum_e f_e P_e, with f_e the
-fraction of the token-slots sent to expert e and P_e the mean router probability of e:
-1 when perfectly balanced, E when every token goes to one expert.
+fraction of the token-slots sent to expert e and P_e the mean router probability of e
+(for the sigmoid router, the scores normalised over the experts: DeepSeek-V3's
+sequence-wise loss): 1 when perfectly balanced, E when every token goes to one expert.
+A trainer takes it per sequence (each sequence one routing group, so that the loss of a
+microbatch depends on nothing else), in two halves: `sequence_sums`, additive over the
+devices a sequence is split over (summed over cp by the caller), then
+`sequence_balance_loss`.
 
 The router is replicated: every device routes its own tokens, and its gradient is summed
 over the devices that share it (shard_map's transpose of a replicated input).
@@ -88,17 +93,48 @@ def expert_load(experts, n_experts: int):
 
 
 def update_bias(bias, load, *, rate: float = 1e-3):
-    """DeepSeek-V3's auxiliary-loss-free balancing: b_e += rate * sign(mean load - load_e).
+    """DeepSeek-V3's auxiliary-loss-free balancing: b_e += rate * sign(mean load - load_e),
+    the mean over the experts (the last axis: bias, load [..., E], one row per layer).
     Overloaded experts become less likely to be chosen, underloaded ones more."""
     errors.number("rate", rate, fix="rate is the bias step, e.g. rate=1e-3")
     load = load.astype(bias.dtype)
-    return bias + rate * jnp.sign(jnp.mean(load) - load)
+    return bias + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
 
 
-def load_balancing_loss(routing: Routing):
-    """Switch/GShard auxiliary loss E * sum_e f_e P_e (1 when balanced)."""
+def balance_probs(probs, kind: str = "softmax"):
+    """The probabilities P_e averages: softmax probabilities as they are, sigmoid scores
+    normalised to sum to 1 over the experts (DeepSeek-V3), so that a balanced router
+    scores 1 either way. probs [..., E]."""
+    errors.one_of("kind", kind, KINDS)
+    return probs if kind == "softmax" else probs / jnp.sum(probs, axis=-1, keepdims=True)
+
+
+def sequence_sums(routing: Routing, *, sequences: int, kind: str = "softmax"):
+    """Per sequence, the two sums the balance loss is made of, for tokens laid out
+    [sequences, t / sequences]: (counts [s, E], token-slots sent to each expert; prob_sums
+    [s, E], the sum over the tokens of `balance_probs`). Both add over the devices a
+    sequence is split over; counts carry no gradient (a choice is not differentiable)."""
     t, k = routing.experts.shape
     E = routing.probs.shape[-1]
-    f = expert_load(routing.experts, E).astype(routing.probs.dtype) / (t * k)
-    P = jnp.mean(routing.probs, axis=0)
-    return E * jnp.sum(f * P)
+    if t % sequences:
+        raise ConfigError(f"{t} tokens do not split into sequences={sequences}: give the tokens laid out "
+                          "[sequences, tokens per sequence]")
+    dtype = jnp.promote_types(routing.probs.dtype, jnp.float32)     # counts exact to 2^24
+    chosen = jax.nn.one_hot(routing.experts.reshape(sequences, -1), E, dtype=dtype)       # [s, t/s*k, E]
+    probs = balance_probs(routing.probs, kind).reshape(sequences, -1, E).astype(dtype)
+    return jnp.sum(chosen, axis=1), jnp.sum(probs, axis=1)
+
+
+def sequence_balance_loss(counts, prob_sums, *, tokens: int, top_k: int):
+    """aux [s] = E * sum_e f_e P_e per sequence from `sequence_sums` over its whole
+    length `tokens`: f_e = counts / (tokens * k), P_e = prob_sums / tokens."""
+    E = counts.shape[-1]
+    return E * jnp.sum(counts / (tokens * top_k) * (prob_sums / tokens), axis=-1)
+
+
+def load_balancing_loss(routing: Routing, *, kind: str = "softmax"):
+    """Switch/GShard auxiliary loss E * sum_e f_e P_e over all the tokens, as one group
+    (1 when balanced)."""
+    t, k = routing.experts.shape
+    counts, prob_sums = sequence_sums(routing, sequences=1, kind=kind)
+    return sequence_balance_loss(counts, prob_sums, tokens=t, top_k=k)[0]

@@ -15,6 +15,11 @@ buffer each all-to-all exchanges is E*C*D elements per device:
 The buffer holds E*C = cf*t*k rows: the bytes follow tokens x k x D times the capacity
 padding, and do not depend on the experts' width F (tests double F).
 
+`balance_collectives` and `balance_reduction` are what the composed model's load
+balancing adds (`jaxpar.train.balance`): per MoE layer, one all-reduce over cp of the
+per-sequence sums when the balance loss is on; per step, one all-reduce of the
+per-layer statistics.
+
 `dispatch_bytes` is the lecture's exercise 7: what one device sends in one all-to-all,
 t*k*(ep-1)/ep*D elements (the share for its own experts stays home), about 462 MB for
 DeepSeek-V3's 4096 tokens, k=8, D=7168, EP=64 in bf16.
@@ -83,6 +88,62 @@ def ep_moe_collectives(*, cfg: MoESizes, batch_size: int, seq_len: int, dtype, d
     if ep == 1 and count == 2:
         count = 1                   # the same replica groups: XLA combines them
     return out + Collectives({"all-reduce": (count, router + experts)})
+
+
+def _stats_itemsize(dtype) -> int:
+    # the statistics are float32, or float64 for a float64 model (exact token counts)
+    return max(np.dtype(dtype).itemsize, 4)
+
+
+def balance_collectives(*, cfg, batch_size: int, seq_len: int, dtype, cp: int = 1,
+                        backward: bool = False) -> Collectives:
+    """The collectives load balancing adds to ONE MoE layer's forward (backward=False) or
+    backward (True) on one device, inside a pipeline stage of the composed model.
+
+    batch_size: the sequences this device's layer runs at once (a microbatch's rows on
+    one device: global batch / (dp * ep * microbatches)); seq_len: the whole sequence
+    (the layer sees seq_len / cp of it); dtype: the model's.
+
+    forward   with cfg.aux_loss > 0 and cp > 1: 1 all-reduce over the cp devices of the
+              per-sequence token-slot counts and probability sums, [batch_size, 2E] in
+              float32 (float64 for a float64 model); nothing otherwise (the bias alone
+              needs only counts, summed once per step: `balance_reduction`).
+    backward  nothing: the loss's derivative is written from the summed counts the
+              forward kept, and the statistics' cotangents are made on each device.
+    Under recompute the F pass keeps nothing that reads the sums, so XLA drops the
+    all-reduce there, and B's rerun of the forward has it: count the forward once per
+    B instead of once per F (measured: pp2 x cp2 x ep2, with and without recompute).
+    seq_len enters only the checks: the bytes do not depend on the sequence's length."""
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("cp", cp)):
+        errors.whole(name, value)
+    if not isinstance(cfg, MoESizes):
+        raise ConfigError(f"cfg={cfg!r}: give a reference.ModelConfig")
+    errors.divisible("seq_len", seq_len, "cp", cp, why="each cp device holds seq_len/cp tokens of a sequence",
+                     fix=f"a multiple of {cp}")
+    if errors.flag("backward", backward) or cp == 1 or not cfg.n_experts or not getattr(cfg, "aux_loss", 0):
+        return Collectives()
+    return Collectives({"all-reduce": (1, batch_size * 2 * cfg.n_experts * _stats_itemsize(dtype))})
+
+
+def balance_reduction(*, cfg, layers: int, dtype, dp: int = 1, ep: int = 1, cp: int = 1,
+                      tp: int = 1) -> dict[int, int]:
+    """{group size: bytes} of the all-reduce load balancing adds once per step, outside
+    the pipeline loop (the format of train.summary.expected_reductions): on each device
+    the statistics of its `layers` layers (n_layers / pp), E token-slot counts and one
+    balance-loss sum per layer, float32 (float64 for a float64 model), summed over the
+    dp * ep * cp * tp devices. {} when the model does not balance (aux_loss = 0 and
+    bias_rate = 0, or dense) or that group is one device. The balance loss joins the
+    loss's own all-reduce, and the router bias's gradient (zero) is reduced as any
+    weight's: neither adds anything here."""
+    for name, value in (("layers", layers), ("dp", dp), ("ep", ep), ("cp", cp), ("tp", tp)):
+        errors.whole(name, value)
+    if not isinstance(cfg, MoESizes):
+        raise ConfigError(f"cfg={cfg!r}: give a reference.ModelConfig")
+    group = dp * ep * cp * tp
+    on = cfg.n_experts and (getattr(cfg, "aux_loss", 0) or getattr(cfg, "bias_rate", 0))
+    if not on or group == 1:
+        return {}
+    return {group: layers * (cfg.n_experts + 1) * _stats_itemsize(dtype)}
 
 
 def dispatch_bytes(*, tokens: int, top_k: int, d_model: int, ep: int, dtype) -> float:

@@ -12,7 +12,8 @@ Per shard (inside the step's one shard_map; `shard_fns(cfg, spec, seq_len)`):
           positions (zigzag aware), its MLP either Megatron's or the MoE: the tokens
           enter the tp region (f, or the SP all-gather), `expert.dispatch.ep_moe_shard`
           sends them over ep to experts whose FFN is split over tp, and g (or the SP
-          reduce-scatter) sums the tp partial outputs;
+          reduce-scatter) sums the tp partial outputs; its load balancing (the balance
+          loss's gradient, the statistics for the bias) is `balance.moe_balance`;
   embed   the vocab-parallel embedding (first stage);
   head    the final norm, LM head and vocab-parallel cross-entropy (last stage).
 """
@@ -30,12 +31,15 @@ from jaxpar import reference
 from jaxpar.context import zigzag
 from jaxpar.context.ring import ring_attention_shard
 from jaxpar.context.ulysses import ulysses_attention_shard
+from jaxpar.errors import ConfigError
 from jaxpar.expert.dispatch import ep_moe_shard
+from jaxpar.expert.router import route
 from jaxpar.mesh import CP, EP, PP, TP
 from jaxpar.pipeline import runtime
 from jaxpar.tensor.layers import block_shard
 from jaxpar.tensor.ops import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
 from jaxpar.tensor.vocab import embedding_shard, lm_head_loss_shard
+from jaxpar.train import balance
 from jaxpar.train.spec import ParallelSpec
 
 
@@ -46,6 +50,8 @@ def layer_names(cfg: reference.ModelConfig, tp: int) -> dict[str, tuple]:
              "wo": (TP, None, None), "mlp_norm": (None,)}
     if cfg.n_experts:
         names.update(router=(None, None), w_up=(EP, None, TP), w_down=(EP, TP, None))
+        if cfg.router_bias:
+            names["router_bias"] = (None,)
         if cfg.mlp == "swiglu":
             names["w_gate"] = (EP, None, TP)
     else:
@@ -120,20 +126,27 @@ def _attend(cfg: reference.ModelConfig, spec: ParallelSpec):
                                                 permute=permute)
 
 
-def _moe(p, z, *, cfg: reference.ModelConfig, spec: ParallelSpec):
+def _moe(p, z, *, cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int, batch_size: int | None):
     """The MoE on this device's tokens z [mb, T', D]: experts over ep, their FFN over tp."""
     sp = spec.sequence_parallel
     zg = gather_from_sp(z, TP, 1) if sp else copy_to_tp(z, TP)                    # [mb, Tc, D]
     B, T, D = zg.shape
     experts = {k: p[k] for k in ("router", "w_up", "w_gate", "w_down") if k in p}
-    y, _, _ = ep_moe_shard(experts, zg.reshape(B * T, D), axis=EP if spec.ep > 1 else None, top_k=cfg.top_k,
-                           capacity_factor=None, kind=cfg.mlp, renormalize=cfg.moe_renormalize)
+    x = zg.reshape(B * T, D)
+    r = route(p["router"], x, top_k=cfg.top_k, kind=cfg.router, renormalize=cfg.moe_renormalize,
+              bias=p.get("router_bias"))
+    y, _, _ = ep_moe_shard(experts, x, axis=EP if spec.ep > 1 else None, top_k=cfg.top_k, capacity_factor=None,
+                           kind=cfg.mlp, routing=r)
+    if balance.enabled(cfg):
+        y = balance.moe_balance(y, p, r, cfg=cfg, sizes=spec.sizes, sequences=B, seq_len=seq_len,
+                                batch_size=batch_size)
     y = y.reshape(B, T, D)                                                         # partial sums over tp
     return reduce_scatter_to_sp(y, TP, 1) if sp else reduce_from_tp(y, TP)
 
 
-def _block(p, x, *, cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int):
-    ffn = functools.partial(_moe, cfg=cfg, spec=spec) if cfg.n_experts else None
+def _block(p, x, *, cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int, batch_size: int | None):
+    ffn = functools.partial(_moe, cfg=cfg, spec=spec, seq_len=seq_len, batch_size=batch_size) \
+        if cfg.n_experts else None
     return block_shard(p, x, cfg=cfg, axis=TP, sequence_parallel=spec.sequence_parallel,
                        positions=_positions(seq_len, spec), attend=_attend(cfg, spec), ffn=ffn)
 
@@ -148,9 +161,14 @@ def _head(last: dict, y, targets, *, eps: float, sp: bool):
 
 
 @functools.cache
-def shard_fns(cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int):
-    """(stage_fn, first_fn, loss_fn) per shard, one object each per (cfg, spec, seq_len)."""
-    stage = runtime.layers(functools.partial(_block, cfg=cfg, spec=spec, seq_len=seq_len))
+def shard_fns(cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int, batch_size: int | None = None):
+    """(stage_fn, first_fn, loss_fn) per shard, one object each per (cfg, spec, seq_len,
+    batch_size). batch_size (sequences per step, all devices): the balance loss's weight
+    per sequence is aux_loss / batch_size; needed when cfg.aux_loss > 0."""
+    if cfg.n_experts and cfg.aux_loss and batch_size is None:
+        raise ConfigError(f"aux_loss={cfg.aux_loss}: the balance loss is a mean over the step's sequences; "
+                          "give shard_fns(..., batch_size=) (sequences per step)")
+    stage = runtime.layers(functools.partial(_block, cfg=cfg, spec=spec, seq_len=seq_len, batch_size=batch_size))
     sp = spec.sequence_parallel
     return (stage, functools.partial(_embed, sp=sp), functools.partial(_head, eps=cfg.norm_eps, sp=sp))
 

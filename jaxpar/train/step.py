@@ -16,7 +16,10 @@ Inside the one shard_map, on every device:
      sum is a reduce-scatter instead: each dp rank gets its dp-th of the gradient
      (along one dimension its shard divides), updates that dp-th of the weight with its
      dp-th of the optimizer state, and an all-gather over dp rebuilds the weight;
-  3. the true global gradient norm (`optim.global_norm`), clipping, optax AdamW.
+  3. the true global gradient norm (`optim.global_norm`), clipping, optax AdamW;
+  4. with MoE load balancing (`balance.py`), the per-layer loads and balance-loss values
+     the stages handed back, summed over the batch axes and tp in one all-reduce: the
+     balance loss joins the reported loss, the load moves the router bias.
 
 The state between steps (`TrainState`) holds the blocks in the pipeline's stage layout
 [pp, v, L/(pp v), ...] split over pp, the rest as their specs say; `canonical` turns it
@@ -38,9 +41,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import reference
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import DP, PP
+from jaxpar.mesh import DP, PP, TP
 from jaxpar.pipeline import runtime
 from jaxpar.pipeline.stage import from_stages, spec_axes, to_stages
+from jaxpar.train import balance
 from jaxpar.train import model as model_lib
 from jaxpar.train import optim as optim_lib
 from jaxpar.train.spec import ParallelSpec
@@ -124,7 +128,7 @@ class Trainer:
         spec, cfg = self.spec, self.cfg
         self.mesh = spec.mesh(devices)
         self.schedule = spec.make_schedule()
-        stage_fn, first_fn, loss_fn = model_lib.shard_fns(cfg, spec, self.seq_len)
+        stage_fn, first_fn, loss_fn = model_lib.shard_fns(cfg, spec, self.seq_len, self.batch_size)
         layer_specs, first_specs, last_specs = model_lib.specs(cfg, spec)
         shapes = split(jax.eval_shape(lambda: reference.init_params(jax.random.key(0), cfg, self.dtype)))
         ids = jax.ShapeDtypeStruct((self.batch_size, self.seq_len), jnp.int32)
@@ -188,6 +192,9 @@ class Trainer:
         pp = (PP,) if self.spec.pp > 1 else ()
         zero_dims = self.zero_dims
         dp_split = self.spec.zero and self.spec.dp > 1
+        cfg, balancing, tp = self.cfg, balance.enabled(self.cfg), self.spec.tp
+        stats_axes = batch_axes + ((TP,) if tp > 1 else ())
+        shards = math.prod(self.mesh.shape[a] for a in batch_axes)
 
         def reduce(g, spec, dim, extra):
             over = tuple(a for a in batch_axes if a not in spec_axes(spec)) + extra
@@ -210,8 +217,16 @@ class Trainer:
             params = state.params
             split_mb = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])
             blocks = jax.tree.map(lambda a: a[0], params["blocks"])
+            if balancing:
+                blocks = {**blocks, balance.STATS: balance.slots(blocks, cfg, tp, self.dtype)}
             loss, g_blocks, _, g_first, g_last = program(blocks, split_mb(inputs), split_mb(targets),
                                                          params["first"], params["last"])
+            if balancing:
+                g_blocks = dict(g_blocks)
+                load, aux = balance.totals(g_blocks.pop(balance.STATS), stats_axes)   # [v, Lc, E], [v, Lc]
+                # this pp rank's layers' balance loss, folded into the loss's own sum over the
+                # batch axes (each of the `shards` adds its share) and pp
+                loss = loss + (cfg.aux_loss / self.batch_size * jnp.sum(aux) / shards).astype(loss.dtype)
             over = batch_axes + pp
             loss = jax.lax.psum(loss, over) if over else loss
             grads = {"blocks": jax.tree.map(lambda a: a[None], g_blocks), "first": g_first, "last": g_last}
@@ -223,6 +238,8 @@ class Trainer:
             updates, opt = tx.update(grads, state.opt, own)
             new = optax.apply_updates(own, updates)
             new = jax.tree.map(gather, new, zero_dims) if dp_split else new
+            if balancing:
+                new = balance.update_bias(new, params, load, cfg)
             lr = self.optim.schedule()(state.step)
             return TrainState(step=state.step + 1, params=new, opt=opt), dict(loss=loss[None], norm=norm[None],
                                                                               lr=lr)
@@ -316,13 +333,15 @@ class Trainer:
 
 def reference_trainer(cfg: reference.ModelConfig, optim: optim_lib.OptimConfig):
     """The unsharded step the parity tests compare against: (params, opt, tokens) ->
-    (params, opt, loss, norm), reference.loss with optax.global_norm and the same AdamW."""
+    (params, opt, loss, norm), reference.loss with optax.global_norm and the same AdamW;
+    the router bias, if any, moved by the whole batch's load (`balance.update_bias`)."""
     tx = optim.transform()
 
     @jax.jit
     def step(params, opt, tokens):
-        loss, grads = jax.value_and_grad(reference.loss)(params, tokens, cfg)
+        (loss, terms), grads = jax.value_and_grad(reference.loss_and_balance, has_aux=True)(params, tokens, cfg)
         norm = optax.global_norm(grads)
         updates, opt = tx.update(optim_lib.clip(grads, norm, optim.clip), opt, params)
-        return optax.apply_updates(params, updates), opt, loss, norm
+        new = balance.update_bias(optax.apply_updates(params, updates), params, terms["load"], cfg)
+        return new, opt, loss, norm
     return tx, step

@@ -104,10 +104,12 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
                 raise ConfigError(f"{name}={value!r}: give a finite number >= 0 (0: off), e.g. {example}")
-        if not self.n_experts and (self.router != "softmax" or self.aux_loss or self.bias_rate):
-            raise ConfigError(f"router={self.router!r}, aux_loss={self.aux_loss}, bias_rate={self.bias_rate} on a "
-                              "dense model (n_experts=0): routing and load balancing need experts. Fix: "
-                              "n_experts >= 1, or router='softmax', aux_loss=0, bias_rate=0")
+        asked = [f"{name}={getattr(self, name)!r}" for name, off in (("router", "softmax"), ("aux_loss", 0),
+                                                                     ("bias_rate", 0)) if getattr(self, name) != off]
+        if not self.n_experts and asked:
+            raise ConfigError(f"{', '.join(asked)} on a dense model (n_experts=0): routing and load balancing need "
+                              "experts. Fix: give the model experts, e.g. n_experts=8, or leave router='softmax', "
+                              "aux_loss=0, bias_rate=0")
         if self.bias_rate and self.router != "sigmoid":
             raise ConfigError(f"bias_rate={self.bias_rate} with router={self.router!r}: the selection bias is "
                               "DeepSeek-V3's, added to sigmoid scores. Fix: router='sigmoid', or bias_rate=0")

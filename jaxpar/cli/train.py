@@ -23,7 +23,8 @@ FLAGS = {"dp": "--mesh dp", "pp": "--mesh pp", "tp": "--mesh tp", "cp": "--mesh 
          "n_heads": "--heads", "n_kv_heads": "--kv-heads", "vocab": "--vocab", "n_experts": "--experts",
          "d_ff": "--ffn", "chunks": "--chunks", "zero": "--zero", "attention": "--attention", "layout": "--layout",
          "schedule": "--schedule", "steps": "--steps", "warmup": "--warmup", "lr": "--lr", "every": "--every",
-         "directory": "--checkpoint", "log": "--log"}
+         "directory": "--checkpoint", "log": "--log", "router": "--router", "aux_loss": "--aux-loss",
+         "bias_rate": "--bias-rate", "top_k": "--top-k"}
 HELP = "train the composed model on a dp x pp x tp x cp x ep mesh (lecture 7), with a summary"
 
 
@@ -48,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense)")
     parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--router", default="softmax", help="softmax, or sigmoid (DeepSeek-V3, with --bias-rate)")
+    parser.add_argument("--aux-loss", type=float, default=0.0,
+                        help="weight of the per-sequence balance loss (Switch/GShard; e.g. 0.01; 0: off)")
+    parser.add_argument("--bias-rate", type=float, default=0.0,
+                        help="DeepSeek-V3's router-bias step per update (e.g. 0.001; --router sigmoid; 0: off)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps / 10)")
     parser.add_argument("--clip", type=float, default=1.0)
@@ -78,7 +84,8 @@ def main(args) -> int:
     cfg = reference.ModelConfig(n_layers=layers, d_model=args.d_model, n_heads=args.heads, n_kv_heads=args.kv_heads,
                                 head_dim=max(2, args.d_model // args.heads), d_ff=args.ffn, vocab=args.vocab,
                                 mlp="swiglu", n_experts=args.experts, top_k=min(args.top_k, max(args.experts, 1)),
-                                rope_theta=10000.0)
+                                rope_theta=10000.0, router=args.router, aux_loss=args.aux_loss,
+                                bias_rate=args.bias_rate)
     batch = spec.dp * spec.ep * m if args.batch is None else args.batch
     spec.check(cfg, batch_size=batch, seq_len=args.seq)        # every problem, before JAX starts
     from jaxpar import errors

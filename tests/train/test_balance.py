@@ -1,0 +1,206 @@
+"""MoE load balancing in training: the balance loss and DeepSeek-V3's bias, on many
+meshes, equal the unsharded model computing the same terms (reference.py)."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpar import comms, reference
+from jaxpar.errors import ConfigError
+from jaxpar.expert import formulas, router
+from jaxpar.train import model
+from jaxpar.train.data import Corpus
+from jaxpar.train.optim import OptimConfig
+from jaxpar.train.spec import ParallelSpec
+from jaxpar.train.step import Trainer, reference_trainer
+
+MOE = reference.ModelConfig(n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=32, mlp="swiglu",
+                            vocab=32, rope_theta=10000.0, n_experts=4, top_k=2)
+AUX = dataclasses.replace(MOE, aux_loss=0.1, n_layers=4)                       # Switch/GShard, softmax
+BIAS = dataclasses.replace(MOE, router="sigmoid", bias_rate=0.01)             # DeepSeek-V3, no loss
+BOTH = dataclasses.replace(BIAS, aux_loss=0.1)                                 # DeepSeek-V3 with its sequence loss
+OPTIM = OptimConfig(lr=1e-2, warmup=2, steps=20, clip=0.5)
+STEPS, BATCH, SEQ = 3, 8, 16
+
+# every axis, TP with and without SP, ring (contiguous, zigzag) and Ulysses, ZeRO-1,
+# recompute, and the schedules 1F1B, interleaved and ZB-H1 (its W passes)
+MESHES = {
+    "dp2 pp2 tp2 1f1b": (ParallelSpec(dp=2, pp=2, tp=2, microbatches=2), BOTH),
+    "pp2 cp2 tp2 sp zigzag recompute": (ParallelSpec(pp=2, cp=2, tp=2, microbatches=2, sequence_parallel=True,
+                                                     layout="zigzag", recompute=True), BOTH),
+    "dp2 cp2 ep2 ulysses zero1": (ParallelSpec(dp=2, cp=2, ep=2, attention="ulysses", zero=1), BOTH),
+    "pp2 interleaved tp2": (ParallelSpec(pp=2, tp=2, schedule="interleaved", microbatches=4), AUX),
+    "pp2 ep2 tp2 sp zb-h1": (ParallelSpec(pp=2, ep=2, tp=2, sequence_parallel=True, schedule="zb-h1",
+                                          microbatches=2), BIAS),
+}
+
+
+@functools.cache
+def reference_step(cfg):
+    return reference_trainer(cfg, OPTIM)
+
+
+@functools.cache
+def reference_losses(cfg):
+    tx, step = reference_step(cfg)
+    params = reference.init_params(jax.random.key(0), cfg)
+    opt, corpus, losses, norms = tx.init(params), Corpus(vocab=cfg.vocab), [], []
+    for i in range(STEPS):
+        params, opt, loss, norm = step(params, opt, jnp.asarray(corpus.batch(i, batch_size=BATCH, seq_len=SEQ)))
+        losses.append(float(loss))
+        norms.append(float(norm))
+    return np.array(losses), np.array(norms), jax.device_get(params)
+
+
+def rel(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a) - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_balancing_on_a_mesh_equals_the_unsharded_model(name):
+    spec, cfg = MESHES[name]
+    trainer = Trainer(cfg, spec, OPTIM, batch_size=BATCH, seq_len=SEQ, devices=jax.devices()[:spec.devices])
+    corpus, state, losses, norms = Corpus(vocab=cfg.vocab), trainer.init(jax.random.key(0)), [], []
+    for i in range(STEPS):
+        state, m = trainer.step(state, corpus.batch(i, batch_size=BATCH, seq_len=SEQ))
+        losses.append(float(m["loss"]))
+        norms.append(float(m["norm"]))
+    params = jax.device_get(trainer.canonical(state)[0])
+    ref_losses, ref_norms, ref_params = reference_losses(cfg)
+    errors = {"losses": rel(losses, ref_losses), "norms": rel(norms, ref_norms),
+              **{jax.tree_util.keystr(k): rel(a, b) for (k, a), b in
+                 zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params))}}
+    assert max(errors.values()) <= 1e-5, errors
+    if cfg.bias_rate:   # the bias moved, by whole steps of bias_rate
+        bias = params["blocks"]["router_bias"]
+        assert np.abs(bias).max() > 0
+        np.testing.assert_allclose(bias / cfg.bias_rate, np.round(bias / cfg.bias_rate), atol=1e-4)
+    if spec.cp > 1 and spec.tp == 1 and cfg.aux_loss:
+        _check_the_cp_all_reduce(trainer, cfg)
+
+
+def _check_the_cp_all_reduce(trainer, cfg):
+    """Inside the layers only the balance loss's all-reduce over cp runs (no tp here):
+    per layer per F, formulas.balance_collectives."""
+    spec, plan = trainer.spec, trainer.local.plan
+    ops = comms.resolve(comms.collective_ops_from_hlo(trainer.compiled.as_text()), plan.runs())
+    mine = [o for o in ops if o.kind == "all-reduce" and o.group_size == spec.cp and "/while/" in o.scope
+            and o.conditional]
+    rows = BATCH // (spec.dp * spec.ep * spec.microbatches)
+    f = formulas.balance_collectives(cfg=cfg, batch_size=rows, seq_len=SEQ, dtype=jnp.float32, cp=spec.cp)
+    assert len(mine) == 1 and mine[0].bytes == f["all-reduce"][1]
+    assert formulas.balance_collectives(cfg=cfg, batch_size=rows, seq_len=SEQ, dtype=jnp.float32, cp=spec.cp,
+                                        backward=True) == {}
+
+
+# ---- the terms, by hand -----------------------------------------------------------------------
+
+def test_the_balance_loss_is_1_balanced_and_grows_unbalanced():
+    E, k = 4, 1
+    chosen = lambda experts: jax.nn.one_hot(jnp.asarray(experts)[None], E)            # [1, T, E]
+    uniform = jnp.full((1, 4, E), 0.25)
+    assert float(reference.balance_loss(uniform, chosen([0, 1, 2, 3]), top_k=k)[0]) == pytest.approx(1.0)
+    # confident routers (P = f): E * sum f^2 = 1 balanced, 2 on two experts, E collapsed
+    for experts, want in (([0, 1, 2, 3], 1.0), ([0, 0, 1, 1], 2.0), ([0, 0, 0, 0], 4.0)):
+        c = chosen(experts)
+        assert float(reference.balance_loss(c, c, top_k=k)[0]) == pytest.approx(want)
+    hot = jnp.tile(jnp.asarray([0.7, 0.1, 0.1, 0.1]), (1, 4, 1))                     # all on expert 0
+    assert float(reference.balance_loss(hot, chosen([0, 0, 0, 0]), top_k=k)[0]) == pytest.approx(4 * 0.7)
+    # sigmoid scores are normalised first: equal scores are balanced, whatever their size
+    assert float(reference.balance_loss(jnp.full((1, 4, E), 0.9), chosen([0, 1, 2, 3]), top_k=k,
+                                        kind="sigmoid")[0]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "sigmoid"])
+def test_the_router_halves_equal_the_reference_per_sequence(kind):
+    w = jax.random.normal(jax.random.key(0), (16, 8)) / 4
+    x = jax.random.normal(jax.random.key(1), (3, 10, 16))                             # 3 sequences of 10
+    _, chosen, scores = reference.router_choice(w, x, top_k=2, kind=kind)
+    want = reference.balance_loss(scores, chosen, top_k=2, kind=kind)
+    r = router.route(w, x.reshape(30, 16), top_k=2, kind=kind)
+    counts, prob_sums = router.sequence_sums(r, sequences=3, kind=kind)
+    halves = [router.sequence_sums(router.route(w, x[:, h].reshape(15, 16), top_k=2, kind=kind), sequences=3,
+                                   kind=kind) for h in (slice(0, 5), slice(5, 10))]   # split as over cp=2
+    np.testing.assert_allclose(router.sequence_balance_loss(counts, prob_sums, tokens=10, top_k=2), want, rtol=1e-6)
+    summed = [a + b for a, b in zip(*halves)]
+    np.testing.assert_allclose(router.sequence_balance_loss(*summed, tokens=10, top_k=2), want, rtol=1e-6)
+
+
+def test_the_loss_adds_alpha_times_the_balance_loss_summed_over_layers():
+    cfg = dataclasses.replace(AUX, n_layers=2)
+
+    @jax.jit
+    def terms(params, tokens):
+        cross_entropy = reference.cross_entropy(reference.forward(params, tokens[:, :-1], cfg), tokens[:, 1:])
+        return cross_entropy, *reference.loss_and_balance(params, tokens, cfg)
+    tokens = jnp.asarray(Corpus(vocab=cfg.vocab).batch(0, batch_size=4, seq_len=8))
+    cross_entropy, total, balance = terms(reference.init_params(jax.random.key(0), cfg), tokens)
+    assert balance["aux"].shape == (2, 4) and balance["load"].shape == (2, cfg.n_experts)
+    assert float(total - cross_entropy) == pytest.approx(0.1 * float(balance["aux"].mean(axis=1).sum()), rel=1e-5)
+    assert 1 < float(balance["aux"].min()) < cfg.n_experts
+    np.testing.assert_array_equal(balance["load"].sum(axis=1), 4 * 8 * cfg.top_k)   # every token-slot counted once
+
+
+def test_the_bias_moves_toward_the_underloaded_experts():
+    load = jnp.asarray([[6.0, 2.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])                 # per layer; means 2 and 1
+    np.testing.assert_allclose(router.update_bias(jnp.zeros((2, 4)), load, rate=0.5),
+                               [[-0.5, 0.0, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]])
+    # a bias that sends every token to expert 0: after one step of the trainer's rule
+    # expert 0's bias falls by bias_rate, and the underloaded experts' rise by it
+    cfg = BIAS
+    params = reference.init_params(jax.random.key(0), cfg)
+    params["blocks"]["router_bias"] = params["blocks"]["router_bias"].at[:, 0].set(2.0)
+    tokens = jnp.asarray(Corpus(vocab=cfg.vocab).batch(0, batch_size=BATCH, seq_len=SEQ))
+    tx, step = reference_step(cfg)
+    new = step(params, tx.init(params), tokens)[0]["blocks"]["router_bias"]
+    # the load the rule read: expert 0 took every token's first slot
+    hot = jax.jit(lambda p, t: reference.loss_and_balance(p, t, cfg)[1]["load"])(params, tokens)
+    np.testing.assert_array_equal(hot[:, 0], BATCH * SEQ)
+    under = hot < hot.mean(axis=1, keepdims=True)
+    assert under.sum() >= 2
+    np.testing.assert_allclose(new[:, 0], 2.0 - cfg.bias_rate)
+    np.testing.assert_allclose(new[under], cfg.bias_rate)
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(aux_loss=-0.1), r"aux_loss=-0.1: give a finite number >= 0"),
+    (dict(aux_loss=float("nan")), "aux_loss=nan"),
+    (dict(aux_loss=True), "aux_loss=True"),
+    (dict(bias_rate=float("inf"), router="sigmoid"), "bias_rate=inf"),
+    (dict(bias_rate=0.001), r"bias_rate=0.001 with router='softmax'.*Fix: router='sigmoid'"),
+    (dict(router="topk"), "router='topk'"),
+    (dict(router="sigmoid", moe_renormalize=False), "moe_renormalize=False.*Fix: moe_renormalize=True"),
+    (dict(n_experts=0, aux_loss=0.01), r"^aux_loss=0.01 on a dense model \(n_experts=0\).*Fix: .*n_experts=8"),
+    (dict(n_experts=0, router="sigmoid", bias_rate=1e-3), "dense model"),
+])
+def test_bad_balancing_configs_are_refused(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        dataclasses.replace(MOE, **kwargs)
+
+
+def test_bad_balancing_requests_are_refused():
+    with pytest.raises(ConfigError, match="selection bias .* goes with the sigmoid router"):
+        reference.router_choice(jnp.zeros((16, 4)), jnp.zeros((2, 16)), top_k=2, bias=jnp.zeros(4))
+    with pytest.raises(ConfigError, match="aux_loss=0.1.*batch_size="):
+        model.shard_fns(AUX, ParallelSpec(), SEQ)
+    with pytest.raises(ConfigError, match="seq_len=15 is not divisible by cp=2"):
+        formulas.balance_collectives(cfg=AUX, batch_size=2, seq_len=15, dtype=jnp.float32, cp=2)
+    with pytest.raises(ConfigError, match="layers=0"):
+        formulas.balance_reduction(cfg=AUX, layers=0, dtype=jnp.float32)
+
+
+def test_the_formulas_by_hand():
+    f32 = jnp.float32
+    assert formulas.balance_collectives(cfg=AUX, batch_size=2, seq_len=16, dtype=f32, cp=2) == {
+        "all-reduce": (1, 2 * 2 * 4 * 4)}                                             # [2, 2E] float32
+    assert formulas.balance_collectives(cfg=BIAS, batch_size=2, seq_len=16, dtype=f32, cp=2) == {}
+    assert formulas.balance_collectives(cfg=AUX, batch_size=2, seq_len=16, dtype=f32, cp=1) == {}
+    assert formulas.balance_reduction(cfg=BIAS, layers=2, dtype=f32, dp=2, tp=2) == {4: 2 * 5 * 4}
+    assert formulas.balance_reduction(cfg=BIAS, layers=2, dtype=jnp.float64, cp=2) == {2: 2 * 5 * 8}
+    assert formulas.balance_reduction(cfg=MOE, layers=2, dtype=f32, dp=2) == {}

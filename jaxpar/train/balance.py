@@ -135,9 +135,9 @@ _report.defvjp(_report_fwd, _report_bwd)
 
 # ---- per shard --------------------------------------------------------------------------
 
-def _first(axis: str, size: int):
+def _first(axis: str, size: int, dtype):
     """1 on rank 0 of `axis`, 0 elsewhere (1 when the axis has one device)."""
-    return jnp.float32(1.0) if size == 1 else (jax.lax.axis_index(axis) == 0).astype(jnp.float32)
+    return jnp.ones((), dtype) if size == 1 else (jax.lax.axis_index(axis) == 0).astype(dtype)
 
 
 def moe_balance(y, p: dict, routing: router.Routing, *, cfg: reference.ModelConfig, sizes: dict,
@@ -149,12 +149,12 @@ def moe_balance(y, p: dict, routing: router.Routing, *, cfg: reference.ModelConf
     backward."""
     cp, tp = sizes["cp"], sizes["tp"]
     counts, prob_sums = router.sequence_sums(routing, sequences=sequences, kind=cfg.router)   # [s, E] each
-    on_tp0 = _first(TP, tp)
+    on_tp0 = _first(TP, tp, counts.dtype)
     aux_sum = jnp.zeros((), counts.dtype)
     if cfg.aux_loss:
         y, aux = add_balance_loss(y, counts, prob_sums, on_tp0 * (cfg.aux_loss / batch_size), seq_len=seq_len,
                                   top_k=cfg.top_k, cp=cp)
-        aux_sum = jnp.sum(aux) * on_tp0 * _first(CP, cp)
+        aux_sum = jnp.sum(aux) * on_tp0 * _first(CP, cp, counts.dtype)
     if STATS not in p:
         return y
     load = jnp.sum(counts, axis=0) * on_tp0                                                   # [E]

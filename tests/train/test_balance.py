@@ -45,15 +45,33 @@ def reference_step(cfg):
 
 
 @functools.cache
-def reference_losses(cfg):
+def reference_losses(cfg, dtype=jnp.float32):
     tx, step = reference_step(cfg)
-    params = reference.init_params(jax.random.key(0), cfg)
+    params = reference.init_params(jax.random.key(0), cfg, dtype)
     opt, corpus, losses, norms = tx.init(params), Corpus(vocab=cfg.vocab), [], []
     for i in range(STEPS):
         params, opt, loss, norm = step(params, opt, jnp.asarray(corpus.batch(i, batch_size=BATCH, seq_len=SEQ)))
         losses.append(float(loss))
         norms.append(float(norm))
     return np.array(losses), np.array(norms), jax.device_get(params)
+
+
+def parity_errors(spec, cfg, dtype=jnp.float32) -> tuple[dict, dict, Trainer]:
+    """({name: max relative error} of the losses, the gradient norms and every parameter
+    after STEPS steps on `spec` against the unsharded model, the final params, the trainer)."""
+    trainer = Trainer(cfg, spec, OPTIM, batch_size=BATCH, seq_len=SEQ, devices=jax.devices()[:spec.devices],
+                      dtype=dtype)
+    corpus, state, losses, norms = Corpus(vocab=cfg.vocab), trainer.init(jax.random.key(0)), [], []
+    for i in range(STEPS):
+        state, m = trainer.step(state, corpus.batch(i, batch_size=BATCH, seq_len=SEQ))
+        losses.append(float(m["loss"]))
+        norms.append(float(m["norm"]))
+    params = jax.device_get(trainer.canonical(state)[0])
+    ref_losses, ref_norms, ref_params = reference_losses(cfg, dtype)
+    errors = {"losses": rel(losses, ref_losses), "norms": rel(norms, ref_norms),
+              **{jax.tree_util.keystr(k): rel(a, b) for (k, a), b in
+                 zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params))}}
+    return errors, params, trainer
 
 
 def rel(a, b) -> float:
@@ -63,17 +81,7 @@ def rel(a, b) -> float:
 @pytest.mark.parametrize("name", list(MESHES))
 def test_balancing_on_a_mesh_equals_the_unsharded_model(name):
     spec, cfg = MESHES[name]
-    trainer = Trainer(cfg, spec, OPTIM, batch_size=BATCH, seq_len=SEQ, devices=jax.devices()[:spec.devices])
-    corpus, state, losses, norms = Corpus(vocab=cfg.vocab), trainer.init(jax.random.key(0)), [], []
-    for i in range(STEPS):
-        state, m = trainer.step(state, corpus.batch(i, batch_size=BATCH, seq_len=SEQ))
-        losses.append(float(m["loss"]))
-        norms.append(float(m["norm"]))
-    params = jax.device_get(trainer.canonical(state)[0])
-    ref_losses, ref_norms, ref_params = reference_losses(cfg)
-    errors = {"losses": rel(losses, ref_losses), "norms": rel(norms, ref_norms),
-              **{jax.tree_util.keystr(k): rel(a, b) for (k, a), b in
-                 zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params))}}
+    errors, params, trainer = parity_errors(spec, cfg)
     assert max(errors.values()) <= 1e-5, errors
     if cfg.bias_rate:   # the bias moved, by whole steps of bias_rate
         bias = params["blocks"]["router_bias"]
@@ -81,6 +89,11 @@ def test_balancing_on_a_mesh_equals_the_unsharded_model(name):
         np.testing.assert_allclose(bias / cfg.bias_rate, np.round(bias / cfg.bias_rate), atol=1e-4)
     if spec.cp > 1 and spec.tp == 1 and cfg.aux_loss:
         _check_the_cp_all_reduce(trainer, cfg)
+
+
+def test_balancing_in_float64_equals_the_unsharded_model(x64):
+    errors = parity_errors(ParallelSpec(cp=2, tp=2, sequence_parallel=True), BOTH, jnp.float64)[0]
+    assert max(errors.values()) <= 1e-12, errors
 
 
 def _check_the_cp_all_reduce(trainer, cfg):

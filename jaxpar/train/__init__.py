@@ -5,6 +5,8 @@
                 embedding and head (TP/SP, ring or Ulysses over cp, the MoE over ep)
     step        Trainer: ONE jitted step, one shard_map over every axis (pipeline, one
                 gradient reduction or ZeRO-1, global-norm clipping, AdamW)
+    balance     MoE load balancing: the per-sequence balance loss inside the stages, the
+                loads for DeepSeek-V3's router bias
     optim       OptimConfig: optax AdamW, warm-up + cosine, the true global norm
     data        Corpus: the generated training text
     checkpoint  Checkpoints: orbax, canonical layout, restorable on any mesh

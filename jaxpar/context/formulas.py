@@ -13,6 +13,10 @@ shard N/tp and K/tp; one K/V block = 2*b*(T/cp)*(K/tp)*H elements.
              and takes one step home), accumulated in float32 at least.
              permute=True under zigzag adds 6 (q, K/V and the output reordered into the
              layout and back, two halves each) forward, and 6 backward (their transposes).
+             hop="all_to_all" (the ring inside a pipeline stage, collectives.ring_shift):
+             each of those K/V and dK/dV hops is an all-to-all of an [cp, block] buffer
+             (the block in the neighbour's slot, zeros elsewhere): the same count, cp
+             times the bytes.
     ulysses  4 all-to-alls forward (q, k, v to head-split; the output back) and 4
              backward, each of the whole local array; K/V heads sent are K/tp, or u when
              u > K/tp (each KV head repeated).
@@ -87,18 +91,25 @@ def kv_heads_sent(n_heads: int, n_kv_heads: int, u: int, *, axis: str = "ucp") -
     return n_kv_heads if n_kv_heads % u == 0 else u
 
 
-def _ring(loc: _Local, tokens: int, heads: int, kv: int, cp: int, relayout: bool, backward: bool) -> Collectives:
+HOPS = ("ppermute", "all_to_all")
+
+
+def _ring(loc: _Local, tokens: int, heads: int, kv: int, cp: int, relayout: bool, backward: bool,
+          hop: str = "ppermute") -> Collectives:
     if cp == 1:
         return Collectives()
     block = 2 * loc.b * tokens * kv * loc.head_dim          # elements of one stacked K/V block
     q = loc.b * tokens * heads * loc.head_dim
+    width = cp if hop == "all_to_all" else 1                 # an all-to-all hop exchanges [cp, block]
     if backward:
-        count, nbytes = 2 * cp - 1, (cp - 1) * block * loc.item + cp * block * loc.acc
+        count, nbytes = 2 * cp - 1, width * ((cp - 1) * block * loc.item + cp * block * loc.acc)
     else:
-        count, nbytes = cp - 1, (cp - 1) * block * loc.item
+        count, nbytes = cp - 1, width * (cp - 1) * block * loc.item
+    kind = "all-to-all" if hop == "all_to_all" else "collective-permute"
+    out = Collectives({kind: (count, nbytes)})
     if relayout:   # q, K/V and the output (or dO, dQ, dK/dV): two halves each
-        count, nbytes = count + 6, nbytes + (2 * q + block) * loc.item
-    return Collectives({"collective-permute": (count, nbytes)})
+        out = out + Collectives({"collective-permute": (6, (2 * q + block) * loc.item)})
+    return out
 
 
 def _ulysses(loc: _Local, tokens: int, kv_sent: int) -> Collectives:
@@ -107,16 +118,18 @@ def _ulysses(loc: _Local, tokens: int, kv_sent: int) -> Collectives:
     return Collectives({"all-to-all": (4, (2 * q + 2 * kv) * loc.item)})
 
 
-def _hybrid(cfg, batch_size, seq_len, dtype, dp, cp, u, tp, layout, permute, backward, ulysses_axis) -> Collectives:
+def _hybrid(cfg, batch_size, seq_len, dtype, dp, cp, u, tp, layout, permute, backward, ulysses_axis,
+            hop="ppermute") -> Collectives:
     loc = _local(cfg, batch_size, seq_len, dtype, dp, tp, {"cp": cp, ulysses_axis: u})
     relayout = zigzag.check_layout(layout) == "zigzag" and errors.flag("permute", permute)
     errors.flag("backward", backward)
+    errors.one_of("hop", hop, HOPS)
     out = Collectives()
     kv = loc.kv
     if u > 1:
         kv = kv_heads_sent(loc.heads, loc.kv, u, axis=ulysses_axis)
         out = _ulysses(loc, seq_len // (cp * u), kv)
-    return out + _ring(loc, seq_len // cp, loc.heads // u, kv // u, cp, relayout, backward)
+    return out + _ring(loc, seq_len // cp, loc.heads // u, kv // u, cp, relayout, backward, hop)
 
 
 def hybrid_collectives(*, cfg: HeadSizes, batch_size: int, seq_len: int, dtype, dp: int = 1, cp: int = 1,
@@ -127,10 +140,10 @@ def hybrid_collectives(*, cfg: HeadSizes, batch_size: int, seq_len: int, dtype, 
 
 
 def ring_collectives(*, cfg: HeadSizes, batch_size: int, seq_len: int, dtype, dp: int = 1, cp: int = 1,
-                     tp: int = 1, layout: str = "contiguous", permute: bool = False,
+                     tp: int = 1, layout: str = "contiguous", permute: bool = False, hop: str = "ppermute",
                      backward: bool = False) -> Collectives:
-    """ring.ring_attention's forward or backward program."""
-    return _hybrid(cfg, batch_size, seq_len, dtype, dp, cp, 1, tp, layout, permute, backward, "ucp")
+    """ring.ring_attention's forward or backward program (hop: how K/V move, see above)."""
+    return _hybrid(cfg, batch_size, seq_len, dtype, dp, cp, 1, tp, layout, permute, backward, "ucp", hop)
 
 
 def ulysses_collectives(*, cfg: HeadSizes, batch_size: int, seq_len: int, dtype, dp: int = 1, cp: int = 1,

@@ -112,6 +112,8 @@ def _positions(seq_len: int, spec: ParallelSpec):
     local = seq_len // spec.cp
     if spec.cp == 1:
         return jnp.arange(local)
+    if spec.layout == "contiguous":      # (a contiguous sequence need not cut into 2 cp halves)
+        return jax.lax.axis_index(CP) * local + jnp.arange(local)
     table = jnp.asarray(zigzag.positions(seq_len, spec.cp, spec.layout).reshape(spec.cp, local), jnp.int32)
     return jax.lax.dynamic_index_in_dim(table, jax.lax.axis_index(CP), 0, keepdims=False)
 

@@ -14,8 +14,9 @@ the sum over the weights of each one's local bytes, per group of devices it is s
 over (XLA may fuse them into fewer instructions, so bytes, not counts, are compared);
 the collectives inside the stages (TP, SP, CP, EP) run in the branches of the
 schedule's loop, each branch under a named scope whose runs per pp rank the plan knows
-(`Plan.lane_runs`): counted exactly per rank, and on dp x pp x tp meshes equal to the
-tensor formulas' sum (`expected_stage_collectives`).
+(`Plan.lane_runs`): counted exactly per rank, and equal to the techniques' formulas
+summed at the sizes one device sees (`train.formulas.stage_collectives`: TP/SP, the
+ring or Ulysses over cp, the MoE's all-to-alls over ep and its router under tp).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from jaxpar.mesh import DP, PP
 from jaxpar.pipeline import formulas as pipe_formulas
 from jaxpar.pipeline.plan import LANE_SCOPES
 from jaxpar.pipeline.stage import spec_axes
-from jaxpar.tensor import formulas as tp_formulas
+from jaxpar.train import formulas as train_formulas
 
 
 def _sizes(trainer, axes) -> int:
@@ -86,10 +87,6 @@ def _local_bytes(trainer, a, spec) -> int:
     return n * jnp.dtype(a.dtype).itemsize
 
 
-def _times(c: comms.Collectives, n: int) -> comms.Collectives:
-    return comms.Collectives({k: (n * a, n * b) for k, (a, b) in c.items()})
-
-
 def stage_collectives(trainer, ops, device: int) -> comms.Collectives:
     """The collectives inside the pipeline's branches that pp rank `device` runs in one
     step, exactly: each op in its innermost branch scope (plan.LANE_SCOPES) runs as often
@@ -108,39 +105,13 @@ def stage_collectives(trainer, ops, device: int) -> comms.Collectives:
     return out
 
 
-def expected_stage_collectives(trainer, device: int) -> comms.Collectives | None:
-    """The formulas' sum for what `stage_collectives` measures, on dp x pp x tp meshes,
-    TP or SP (None with cp or ep: those stages are counted, not yet given a formula): per F,
-    each layer's tensor.formulas.tp_block_collectives forward, per B its backward (and
-    the forward again under recompute); the embedding's forward per F of the first stage;
-    the LM head's and cross-entropy's forward and backward per F of the last (under SP:
-    the embedding's reduce-scatter, its all-gather per B of the first stage, the head's
-    all-gather and its reduce-scatter, and the final norm gain's all-reduce)."""
-    spec, cfg = trainer.spec, trainer.cfg
-    if spec.cp > 1 or spec.ep > 1:
-        return None
-    runs = trainer.local.plan.lane_runs(device)
-    depth = cfg.n_layers // (spec.pp * spec.virtual_chunks)
-    kw = dict(cfg=cfg, batch_size=trainer.batch_size // spec.dp // spec.microbatches, seq_len=trainer.seq_len,
-              dtype=trainer.dtype, tp=spec.tp)
-    sp = spec.sequence_parallel and spec.tp > 1
-    fwd, bwd = (tp_formulas.tp_block_collectives(**kw, sequence_parallel=spec.sequence_parallel, backward=b)
-                for b in (False, True))
-    total = _times(fwd, depth * runs["pipeline_F"]) + _times(bwd, depth * runs["pipeline_B"])
-    if spec.recompute:
-        total = total + _times(fwd, depth * runs["pipeline_B"])
-    if sp:   # the embedding ends in a reduce-scatter along T; the head starts with the all-gather
-        item = jnp.dtype(trainer.dtype).itemsize
-        act = kw["batch_size"] * trainer.seq_len * cfg.d_model * item
-        first = comms.Collectives({"reduce-scatter": (1, act)})
-        total = total + _times(comms.Collectives({"all-gather": (1, act)}), runs["pipeline_first_backward"])
-        head = tp_formulas.cross_entropy_collectives(**kw) + comms.Collectives(
-            {"all-gather": (1, act), "reduce-scatter": (1, act), "all-reduce": (1, cfg.d_model * item)})
-    else:
-        first = tp_formulas.embedding_collectives(**kw)
-        head = tp_formulas.lm_loss_collectives(**kw) + tp_formulas.lm_loss_collectives(**kw, backward=True)
-    total = total + _times(first, runs["pipeline_first"])
-    return total + _times(head, runs["pipeline_loss"])
+def expected_stage_collectives(trainer, device: int) -> comms.Collectives:
+    """The formulas' sum for what `stage_collectives` measures on pp rank `device`
+    (`train.formulas.stage_collectives`: every technique's collectives at the sizes one
+    device sees, times the runs of each branch there)."""
+    return train_formulas.stage_collectives(cfg=trainer.cfg, spec=trainer.spec, batch_size=trainer.batch_size,
+                                            seq_len=trainer.seq_len, dtype=trainer.dtype,
+                                            runs=trainer.local.plan.lane_runs(device))
 
 
 def collectives(trainer, compiled) -> dict:
@@ -171,7 +142,7 @@ def collectives(trainer, compiled) -> dict:
 
 def matches(c: dict) -> bool:
     close = lambda a, b: set(a) == set(b) and all(abs(a[k] - b[k]) <= 1e-9 * max(1.0, b[k]) for k in b)
-    stages = all(e is None or c["stages"][d] == e for d, e in c["expected_stages"].items())
+    stages = all(c["stages"][d] == e for d, e in c["expected_stages"].items())
     return c["sends"] == c["expected_sends"] and close(c["reductions"], c["expected_reductions"]) and close(
         c["zero"], c["expected_zero"]) and stages
 
@@ -233,9 +204,7 @@ def format_summary(s: dict) -> str:
         lines.append(f"  ZeRO-1 over dp: reduce-scatter {_kib(c['zero']['reduce-scatter'])}, all-gather "
                      f"{_kib(c['zero']['all-gather'])} (formula: {_kib(c['expected_zero']['all-gather'])} each)")
     for d, got in c["stages"].items():
-        want = c["expected_stages"][d]
-        formula = "no formula yet for cp and ep stages" if want is None else f"formula: {want.format()}"
-        lines.append(f"  inside the stages, pp rank {d}: {got.format()} ({formula})")
+        lines.append(f"  inside the stages, pp rank {d}: {got.format()} (formula: {c['expected_stages'][d].format()})")
     lines.append(f"  collectives {'=' if s['collectives_match'] else '!='} the formulas")
     if s.get("loss_png"):
         lines.append(f"  loss curve: {s['loss_png']}")

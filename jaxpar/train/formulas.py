@@ -1,0 +1,152 @@
+"""The collectives inside the composed model's pipeline stages, in closed form (pure Python).
+
+`stage_collectives(cfg=, spec=, batch_size=, seq_len=, dtype=, runs=)` is what one pp
+rank runs inside the branches of the pipeline program in one training step, given how
+often it runs each branch (`pipeline.plan.Plan.lane_runs`): the sum of the techniques'
+own formulas at the sizes one device sees. b = batch_size/(dp*ep*microbatches) rows per
+microbatch, T/cp tokens each (all of a device's tokens under SP too: the attention and the
+MoE run on the gathered sequence).
+
+Per layer, forward (F) and backward (B; under recompute F again before B, but for the
+collective that only makes the stage's output when a stage holds one layer, see
+`stage_collectives`):
+  tp block   tensor.formulas.tp_block_collectives (TP: f and g; SP: all-gathers and
+             reduce-scatters; the replicated KV heads' gradient when tp > K), at b rows
+             of T/cp tokens; the MoE enters and leaves the tp region as the MLP does;
+  attention  over cp: the ring (context.formulas.ring_collectives: cp-1 K/V hops forward,
+             cp-1 K/V and cp dK/dV hops backward, on the N/tp query heads and the K/tp
+             KV heads (1 when tp > K) of this device), each hop a collective-permute, or
+             inside a pipeline (pp > 1) an all-to-all of cp blocks (collectives.ring_shift:
+             XLA:CPU meets a collective-permute with every device of the program); or
+             Ulysses (context.formulas.ulysses_collectives: 4 all-to-alls each way). The
+             zigzag layout costs nothing here: the tokens are put in its order once, before
+             the step, and Ulysses reorders the gathered sequence locally;
+  MoE        over ep: the dispatch and combine all-to-alls of the dropless worst-case
+             buffers, E*C*D elements each with C = t = b*T/cp tokens
+             (expert.formulas.ep_moe_collectives), forward and again backward; under
+             tp > 1 the router, replicated over tp but fed each tp rank's partial share of
+             d loss/d gates, has its gradient all-reduced over tp in the backward, D*E
+             elements, which XLA's combiner merges into another all-reduce of the tp group
+             ready then (attention's f under TP, the norm gains' under SP): bytes, no
+             instruction.
+The embedding runs in every F of the first stage, the LM head and the cross-entropy in
+every F of the last (its backward is fused into that step: `pipeline_loss`); see
+`embedding` and `head`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxpar.comms import Collectives
+from jaxpar.context import formulas as cp_formulas
+from jaxpar.expert import formulas as ep_formulas
+from jaxpar.tensor import formulas as tp_formulas
+
+
+@dataclasses.dataclass(frozen=True)
+class _Heads:
+    """The head counts one tp shard holds, for the context formulas (which read only these)."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+
+def _times(c: Collectives, n: int) -> Collectives:
+    return Collectives({k: (n * a, n * b) for k, (a, b) in c.items()})
+
+
+def _rows(spec, batch_size: int) -> int:
+    return batch_size // (spec.dp * spec.ep * spec.microbatches)
+
+
+def layer_collectives(*, cfg, spec, batch_size: int, seq_len: int, dtype, backward: bool = False) -> Collectives:
+    """One layer's collectives in one F (backward=False) or one B (backward=True) of one
+    microbatch on one device (see the module docstring)."""
+    b, tokens, tp, cp = _rows(spec, batch_size), seq_len // spec.cp, spec.tp, spec.cp
+    out = tp_formulas.tp_block_collectives(cfg=cfg, batch_size=b, seq_len=tokens, dtype=dtype, tp=tp,
+                                           sequence_parallel=spec.sequence_parallel, backward=backward)
+    if cp > 1:
+        heads = _Heads(cfg.n_heads // tp, cfg.n_kv_heads // tp if cfg.n_kv_heads % tp == 0 else 1, cfg.head_dim)
+        kw = dict(cfg=heads, batch_size=b, seq_len=seq_len, dtype=dtype, cp=cp, backward=backward)
+        if spec.attention == "ulysses":
+            out = out + cp_formulas.ulysses_collectives(**kw)
+        else:
+            hop = "all_to_all" if spec.pp > 1 else "ppermute"
+            out = out + cp_formulas.ring_collectives(**kw, layout=spec.layout, hop=hop)
+    if cfg.n_experts:
+        if spec.ep > 1:
+            out = out + ep_formulas.ep_moe_collectives(cfg=cfg, batch_size=b * spec.ep, seq_len=tokens, dtype=dtype,
+                                                       ep=spec.ep)
+        if backward and tp > 1:
+            item = np.dtype(dtype).itemsize
+            out = out + Collectives({"all-reduce": (0, cfg.d_model * cfg.n_experts * item)})
+    return out
+
+
+def _first_hop(*, cfg, spec, batch_size: int, seq_len: int, dtype) -> Collectives:
+    """One K/V hop of the ring: one stacked K/V block (cp of them in an all-to-all hop)."""
+    kv = cfg.n_kv_heads // spec.tp if cfg.n_kv_heads % spec.tp == 0 else 1
+    block = 2 * _rows(spec, batch_size) * (seq_len // spec.cp) * kv * cfg.head_dim * np.dtype(dtype).itemsize
+    if spec.pp > 1:
+        return Collectives({"all-to-all": (1, spec.cp * block)})
+    return Collectives({"collective-permute": (1, block)})
+
+
+def embedding(*, cfg, spec, batch_size: int, seq_len: int, dtype, backward: bool = False) -> Collectives:
+    """The first stage's vocab-parallel embedding, in one F (or, under SP, the all-gather
+    its backward starts with, in one B of the first stage)."""
+    b, tokens = _rows(spec, batch_size), seq_len // spec.cp
+    if spec.tp == 1:
+        return Collectives()
+    if not spec.sequence_parallel:
+        return Collectives() if backward else tp_formulas.embedding_collectives(
+            cfg=cfg, batch_size=b, seq_len=tokens, dtype=dtype, tp=spec.tp)
+    act = b * tokens * cfg.d_model * np.dtype(dtype).itemsize
+    return Collectives({"all-gather" if backward else "reduce-scatter": (1, act)})
+
+
+def head(*, cfg, spec, batch_size: int, seq_len: int, dtype) -> Collectives:
+    """The last stage's final norm, LM head and vocab-parallel cross-entropy, forward and
+    backward (one `pipeline_loss` branch): TP, the cross-entropy's all-reduces and f's
+    all-reduce of dL/dz; SP, the all-gather in and the reduce-scatter of its transpose
+    out, and the final norm gain's gradient all-reduce (d_model elements)."""
+    b, tokens, tp = _rows(spec, batch_size), seq_len // spec.cp, spec.tp
+    if tp == 1:
+        return Collectives()
+    kw = dict(cfg=cfg, batch_size=b, seq_len=tokens, dtype=dtype, tp=tp)
+    if not spec.sequence_parallel:
+        return tp_formulas.lm_loss_collectives(**kw) + tp_formulas.lm_loss_collectives(**kw, backward=True)
+    item = np.dtype(dtype).itemsize
+    act = b * tokens * cfg.d_model * item
+    return tp_formulas.cross_entropy_collectives(**kw) + Collectives(
+        {"all-gather": (1, act), "reduce-scatter": (1, act), "all-reduce": (1, cfg.d_model * item)})
+
+
+def stage_collectives(*, cfg, spec, batch_size: int, seq_len: int, dtype, runs: dict[str, int]) -> Collectives:
+    """What one pp rank runs inside the pipeline's branches in one step, given `runs`
+    (Plan.lane_runs(rank): how many times it runs each branch)."""
+    depth = cfg.n_layers // (spec.pp * spec.virtual_chunks)
+    kw = dict(cfg=cfg, spec=spec, batch_size=batch_size, seq_len=seq_len, dtype=dtype)
+    fwd, bwd = layer_collectives(**kw), layer_collectives(**kw, backward=True)
+    total = _times(fwd, depth * runs["pipeline_F"]) + _times(bwd, depth * runs["pipeline_B"])
+    if spec.recompute:
+        again = _times(fwd, depth)
+        if depth == 1 and spec.tp > 1:
+            # B needs the recomputed layer's residuals, not its output: with one layer per
+            # stage (no scan left around it) XLA drops the collective that only makes the
+            # output, the last g all-reduce (TP) or reduce-scatter (SP)
+            act = _rows(spec, batch_size) * seq_len // spec.cp * cfg.d_model * np.dtype(dtype).itemsize
+            again = again + Collectives({"reduce-scatter" if spec.sequence_parallel else "all-reduce": (-1, -act)})
+        if depth == 1 and spec.cp > 1 and spec.attention == "ring":
+            # and the ring's backward begins with the hop its recomputed forward began
+            # with, of the same K/V: XLA keeps one of the two
+            again = again + _times(_first_hop(cfg=cfg, spec=spec, batch_size=batch_size, seq_len=seq_len,
+                                              dtype=dtype), -1)
+        total = total + _times(again, runs["pipeline_B"])
+    total = total + _times(embedding(**kw), runs["pipeline_first"])
+    total = total + _times(embedding(**kw, backward=True), runs["pipeline_first_backward"])
+    return total + _times(head(**kw), runs["pipeline_loss"])

@@ -1,0 +1,114 @@
+"""Training configurations drawn from everything `ParallelSpec.problems()` accepts, for
+the property tests of the composed model (tests/train/test_drawn.py).
+
+`configurations(family)` draws a `reference.ModelConfig` (layers, heads with every legal
+KV-head count down to one (MQA), head_dim, d_ff, vocab, GeLU or SwiGLU, RoPE on or off,
+dense or an MoE of 4-8 experts with top-1 or top-2), a `ParallelSpec` over at most 8
+devices (dp, pp, tp, cp, ep of any size whose product is <= 8, odd sizes included; every
+registered schedule with microbatches and chunks it accepts; SP, recompute, ZeRO-1, ring
+or Ulysses, both token layouts) and a batch and a sequence length, built to satisfy the
+divisibility rules and then filtered by `problems()` itself, so whatever it accepts may
+be drawn. A family pins one axis above 1 so that a few examples cover every technique.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import assume
+from hypothesis import strategies as st
+
+from jaxpar import reference
+from jaxpar.pipeline import orders
+from jaxpar.train.spec import ParallelSpec
+
+MAX_DEVICES = 8
+FAMILIES = ("pipeline", "tensor", "context", "expert", "any")
+
+
+@dataclasses.dataclass(frozen=True)
+class Drawn:
+    cfg: reference.ModelConfig
+    spec: ParallelSpec
+    batch_size: int
+    seq_len: int
+
+    def __str__(self) -> str:
+        c = self.cfg
+        model = (f"L{c.n_layers} D{c.d_model} N{c.n_heads} K{c.n_kv_heads} H{c.head_dim} F{c.d_ff} V{c.vocab} "
+                 f"{c.mlp}{' rope' if c.rope_theta else ''}")
+        if c.n_experts:
+            model += f" E{c.n_experts} top{c.top_k}{'' if c.moe_renormalize else ' raw-gates'}"
+        return f"{model} | {self.spec!r} | batch {self.batch_size} x {self.seq_len}"
+
+
+def _axes(draw, family: str) -> dict[str, int]:
+    """Axis sizes with product <= 8; the family's axis > 1 (ep only for an MoE)."""
+    pinned = {"pipeline": "pp", "tensor": "tp", "context": "cp", "expert": "ep"}.get(family)
+    sizes, budget = {}, MAX_DEVICES
+    order = [pinned] if pinned else []
+    order += [a for a in draw(st.permutations(["dp", "pp", "tp", "cp", "ep"])) if a != pinned]
+    for axis in order:
+        low = 2 if axis == pinned else 1
+        choices = [n for n in (1, 2, 3, 4, 8) if low <= n <= budget]
+        sizes[axis] = draw(st.sampled_from(choices)) if choices else 1
+        budget //= sizes[axis]
+    return sizes
+
+
+def _schedule(draw, pp: int) -> tuple[str, int | None, int]:
+    """(schedule, chunks, microbatches) the schedule accepts at pp stages (at most 2p + 2
+    microbatches: bigger tables cost compile time, not coverage)."""
+    name = draw(st.sampled_from(list(orders.REGISTRY)))
+    chunks = draw(st.sampled_from([None, 3])) if name == "interleaved" else None
+    low = {"interleaved": pp, "zb-h1": pp, "zb-h2": pp, "dualpipe-v": 2 * pp - 1}.get(name, 1)
+    m = draw(st.integers(low, max(low, 2 * pp + 2)))
+    if name == "interleaved":
+        m = max(pp, m // pp * pp)
+    return name, chunks, m
+
+
+@st.composite
+def configurations(draw, family: str = "any") -> Drawn:
+    moe = family == "expert" or draw(st.booleans())
+    sizes = _axes(draw, family)
+    if not moe:
+        sizes["dp"], sizes["ep"] = sizes["dp"] * sizes["ep"], 1     # ep needs experts: its devices go to dp
+    dp, pp, tp, cp, ep = (sizes[a] for a in ("dp", "pp", "tp", "cp", "ep"))
+    name, chunks, m = _schedule(draw, pp) if pp > 1 else (draw(st.sampled_from(["1f1b", "gpipe"])), None,
+                                                                  draw(st.sampled_from([1, 2])))
+    attention = draw(st.sampled_from(["ring", "ulysses"])) if cp > 1 else "ring"
+    layout = draw(st.sampled_from(["contiguous", "zigzag"])) if cp > 1 else "contiguous"
+    sp = draw(st.booleans()) if tp > 1 else False
+    spec = ParallelSpec(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, schedule=name, chunks=chunks, microbatches=m,
+                        sequence_parallel=sp, recompute=draw(st.booleans()), zero=draw(st.sampled_from([0, 1])),
+                        attention=attention, layout=layout)
+
+    # the model: sized to the mesh, so that most draws satisfy the rules by construction
+    per_tp = draw(st.sampled_from([1, 2])) * (cp if attention == "ulysses" else 1)
+    n_heads = tp * per_tp
+    legal_kv = [k for k in range(1, n_heads + 1) if n_heads % k == 0 and (k % tp == 0 or tp % k == 0)]
+    n_kv_heads = draw(st.sampled_from(legal_kv))
+    rope = draw(st.booleans())
+    head_dim = draw(st.sampled_from([2, 4]))
+    n_experts, top_k, renormalize = 0, 2, True
+    if moe:
+        n_experts = draw(st.sampled_from([e for e in range(4, 9) if e % ep == 0]))
+        top_k = draw(st.sampled_from([1, 2]))
+        # top-1 with renormalised gates has gates of exactly 1: the router gets no gradient
+        # (mathematically zero, float noise in practice, which AdamW scales to full steps);
+        # Switch's top-1 gate is the raw probability
+        renormalize = top_k == 2 and draw(st.booleans())
+    stages = pp * spec.virtual_chunks        # deeper stacks add compile time, not coverage: <= 2 layers a stage
+    cfg = reference.ModelConfig(
+        n_layers=stages * (draw(st.sampled_from([1, 2])) if stages <= 4 else 1) if pp > 1 else draw(st.integers(1, 2)),
+        d_model=draw(st.sampled_from([8, 16])), n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+        d_ff=tp * draw(st.sampled_from([4, 8])), vocab=tp * draw(st.sampled_from([4, 8])) if tp > 2 else 16,
+        mlp=draw(st.sampled_from(["gelu", "swiglu"])), n_experts=n_experts, top_k=top_k,
+        moe_renormalize=renormalize, rope_theta=10000.0 if rope else 0.0)
+    rows = dp * ep * m
+    per = cp * (2 if layout == "zigzag" and cp > 1 else 1) * (tp if sp else 1)
+    seq_len = per * draw(st.sampled_from([1, 2])) if per > 1 else draw(st.sampled_from([4, 8]))
+    drawn = Drawn(cfg, spec, rows * draw(st.sampled_from([1, 2])) if rows < 8 else rows, seq_len)
+    assume(not spec.problems(cfg, batch_size=drawn.batch_size, seq_len=seq_len, n_devices=spec.devices))
+    return drawn

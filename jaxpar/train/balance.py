@@ -79,7 +79,8 @@ def add_balance_loss(y, counts, prob_sums, weight, *, seq_len: int, top_k: int, 
     counts, prob_sums [s, E] (`router.sequence_sums`), added over cp first. Backward: y's
     cotangent passes through and prob_sums gets weight * d aux / d prob_sums =
     weight * E * counts / (seq_len^2 k), as if weight * sum(aux) were part of the loss
-    (Megatron's MoEAuxLossAutoScaler); counts get none (a choice has no gradient)."""
+    (Megatron's MoEAuxLossAutoScaler), plus what the returned aux's own cotangent adds;
+    counts get none (a choice has no gradient)."""
     weight = jnp.asarray(weight, counts.dtype)
     return _balance_loss(y, counts, prob_sums, weight,
                          (seq_len, top_k, cp, _axes(counts), _axes(prob_sums), _axes(weight)))
@@ -101,7 +102,8 @@ def _balance_loss_fwd(y, counts, prob_sums, weight, static):
 def _balance_loss_bwd(static, res, cts):
     seq_len, top_k, _, count_axes, prob_axes, weight_axes = static
     counts, weight = res
-    d_prob = weight * counts.shape[-1] * counts / (seq_len * seq_len * top_k)
+    d_aux = weight + cts[1]                     # the hidden term's, and any use of the aux returned
+    d_prob = d_aux[:, None] * counts.shape[-1] * counts / (seq_len * seq_len * top_k)
     zeros = lambda a, axes: varying(jnp.zeros(a.shape, a.dtype), axes)
     return cts[0], zeros(counts, count_axes), varying(d_prob, prob_axes), zeros(weight, weight_axes)
 

@@ -1,7 +1,7 @@
 """Expert parallelism proven against the reference, for `jaxpar verify ep`, the tour, example
 06, the benchmark and the tests: ep_moe's output and, from jax.vjp, the input, router and
 every expert's gradient against reference.moe (dropless) or against `reference_capacity_moe`
-(the same drop rule written densely); the collectives of the forward and backward against
+(the same drop rule written densely, with C from its definition: `reference_capacity`); the collectives of the forward and backward against
 `formulas.ep_moe_collectives`; the lecture's imbalance experiment and exercise 9(c)'s sweep.
 """
 
@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +64,15 @@ def _keep(experts, weights, C: int, drop: str):
     return (ahead < C).reshape(t, k)
 
 
+def reference_capacity(tokens: int, top_k: int, n_experts: int, capacity_factor) -> int:
+    """The slots each expert gives one source device, from the definition and in exact
+    arithmetic: ceil(cf * t * k / E) (the mean load t*k/E times the factor), at least 1 and
+    at most t (a token picks an expert at most once); t when dropless (cf None)."""
+    if capacity_factor is None:
+        return tokens
+    return max(1, min(tokens, math.ceil(Fraction(capacity_factor) * tokens * top_k / n_experts)))
+
+
 def reference_capacity_moe(p: dict, x, *, top_k: int, groups: int, capacity: int, drop: str,
                            kind: str = "gelu", renormalize: bool = True):
     """reference.moe with ep_moe's drop rule: the tokens x [B, T, D] are cut into `groups`
@@ -89,9 +100,11 @@ def reference_capacity_moe(p: dict, x, *, top_k: int, groups: int, capacity: int
 @dataclasses.dataclass(kw_only=True)
 class MoERun(Run):
     """One step of ep_moe and of its reference on the same inputs: out and ref are
-    (y, (param grads, x grad)); stats are ep_moe's."""
+    (y, (param grads, x grad)); stats are ep_moe's; capacity the slots per expert the
+    reference drops by (`reference_capacity`), which ep_moe's stats.capacity must equal."""
 
     stats: MoEStats
+    capacity: int
 
     def named(self, outputs) -> dict:
         grads = outputs[1][0]
@@ -109,15 +122,16 @@ def run_moe(cfg: reference.ModelConfig, mesh, *, batch_size: int, seq_len: int =
     backward = jax.jit(lambda vjp, dy: vjp(dy)).lower(vjp, dy).compile()
     out, fwd, bwd = (y, backward(vjp, dy)), compiled_collectives(forward), compiled_collectives(backward)
     dp, ep = mesh_lib.axis_size(mesh, DP), mesh_lib.axis_size(mesh, EP)
+    C = reference_capacity(batch_size * seq_len // (dp * ep), cfg.top_k, cfg.n_experts, capacity_factor)
     if capacity_factor is None:
         ref_fn = lambda p, x: reference.moe(p, x, top_k=cfg.top_k, kind=cfg.mlp, renormalize=cfg.moe_renormalize)
     else:
-        ref_fn = functools.partial(reference_capacity_moe, top_k=cfg.top_k, groups=dp * ep, capacity=stats.capacity,
+        ref_fn = functools.partial(reference_capacity_moe, top_k=cfg.top_k, groups=dp * ep, capacity=C,
                                    drop=drop, kind=cfg.mlp, renormalize=cfg.moe_renormalize)
     ref = _reference_step(ref_fn)(p, x, dy)
     kw = dict(cfg=cfg, batch_size=batch_size, seq_len=seq_len, dtype=dtype, dp=dp, ep=ep,
               capacity_factor=capacity_factor)
-    return MoERun(out=out, ref=ref, stats=stats, forward=fwd, backward=bwd,
+    return MoERun(out=out, ref=ref, stats=stats, capacity=C, forward=fwd, backward=bwd,
                   formula_forward=formulas.ep_moe_collectives(**kw),
                   formula_backward=formulas.ep_moe_collectives(**kw, backward=True))
 
@@ -145,7 +159,8 @@ def check_moe(capacity_factor=None, drop: str = "position") -> Result:
     errors, rule, within = run.compared
     dropless = capacity_factor is None
     name = "MoE, dropless" if dropless else f"MoE, capacity {capacity_factor} (drop by {drop})"
-    ok = within and run.collectives_match and (not dropless or run.stats.drop_rate == 0.0)
+    ok = (within and run.collectives_match and run.stats.capacity == run.capacity
+          and (not dropless or run.stats.drop_rate == 0.0))
     return Result(name=name, mesh=mesh_lib.describe(m), errors=errors, tolerance=rule,
                   measured={"fwd": run.forward, "bwd": run.backward},
                   expected={"fwd": run.formula_forward, "bwd": run.formula_backward},

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import mesh as mesh_lib
 from jaxpar import reference
 from jaxpar.expert import dispatch, formulas
-from jaxpar.expert.verify import imbalance_experiment, run_moe
+from jaxpar.expert.verify import imbalance_experiment, reference_capacity, run_moe
 from jaxpar.testing import assert_close, max_abs_diff
 
 
@@ -35,6 +35,10 @@ CASES = [
     (1, 8, 8, 2, "swiglu", 0.5, "position"),
     (4, 2, 4, 2, "gelu", 1.5, "probability"),
 ]
+# C, slots per expert per device, by hand: every case has t = 2*dp*ep*8 / (dp*ep) = 16 tokens
+# per device; dropless C = t; else ceil(cf * t * k / E): 1.25*16*2/8 = 5, 1.0*16*2/8 = 4,
+# 0.5*16*2/8 = 2, 1.5*16*2/4 = 12
+HAND_CAPACITY = {None: 16, 1.25: 5, 1.0: 4, 0.5: 2, 1.5: 12}
 
 
 @functools.cache
@@ -49,6 +53,7 @@ def test_ep_moe_matches_reference_and_formula(case):
     assert_close(run.out, run.ref)
     assert run.forward == run.formula_forward and run.backward == run.formula_backward
     ep, cf = case[1], case[5]
+    assert run.stats.capacity == run.capacity == HAND_CAPACITY[cf]
     assert run.forward.get("all-to-all", (0, 0))[0] == (2 if ep > 1 else 0)
     assert run.backward.get("all-to-all", (0, 0))[0] == (2 if ep > 1 else 0)
     if cf is None:
@@ -59,11 +64,25 @@ def test_ep_moe_matches_reference_and_formula(case):
     assert total == 2 * case[0] * ep * 8 * case[3]              # every (token, slot) counted once
 
 
+@pytest.mark.parametrize("tokens,k,E,cf,C", [
+    (16, 2, 8, 1.25, 5), (16, 2, 8, 1.0, 4), (16, 2, 8, 0.5, 2), (16, 2, 4, 1.5, 12), (16, 2, 8, None, 16),
+    (6, 1, 4, 1.25, 2),          # 1.875 rounds up
+    (12, 2, 8, 1.25, 4),         # 3.75 rounds up
+    (16, 2, 8, 10.0, 16),        # 40 slots asked, clamped to t: a token picks an expert once
+    (16, 1, 64, 0.5, 1),         # 0.125 rounds up to the least, 1
+])
+def test_capacity_by_hand(tokens, k, E, cf, C):
+    """ceil(cf * t * k / E), clamped to [1, t]; dropless t. The library's and the reference's."""
+    assert reference_capacity(tokens, k, E, cf) == C
+    assert formulas.capacity(tokens, k, E, cf) == C
+
+
 def test_float64_agrees_near_1e_12(x64):
     run = run_moe(cfg_for(), mesh_lib.make_mesh(dp=2, ep=4), batch_size=8, capacity_factor=1.25, dtype=jnp.float64,
                   skew=1.5)
     assert run.out[0].dtype == jnp.float64
     assert max_abs_diff(run.out, run.ref) < 1e-12
+    assert run.stats.capacity == run.capacity == 3         # t = 8 tokens per device: ceil(1.25*8*2/8)
 
 
 def test_all_to_all_bytes_do_not_change_when_the_ffn_width_doubles():
@@ -122,9 +141,25 @@ def test_the_lectures_imbalance_experiment():
     assert all(sum(r["tokens_per_rank"]) + r["drop_rate"] * 16 * 64 * 2 == pytest.approx(16 * 64 * 2) for r in rows)
 
 
-def test_sigmoid_router_runs_sharded_as_on_one_device():
-    """DeepSeek-V3's router has no dense reference in reference.py: the sharded layer
-    (dp2 x ep4) against the same layer on one device, output and every gradient."""
+def sigmoid_moe(p: dict, x, *, bias, top_k: int):
+    """DeepSeek-V3's routed MoE written densely from its definition: scores s = sigmoid(x W);
+    expert e is chosen for a token when fewer than k experts have a higher s + b; the
+    gates are the chosen s over their sum (b only chooses); every expert runs on every
+    token and the outputs are mixed by the gates. x [t, D]."""
+    s = jax.nn.sigmoid(x @ p["router"])                                       # [t, E]
+    c = s + bias
+    chosen = jnp.sum(c[:, None, :] > c[:, :, None], axis=-1) < top_k         # [t, E]: rank < k
+    gates = jnp.where(chosen, s, 0.0)
+    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    out = jnp.zeros_like(x)
+    for e in range(s.shape[-1]):
+        out = out + gates[:, e:e + 1] * reference.mlp({"w_up": p["w_up"][e], "w_down": p["w_down"][e]}, x)
+    return out
+
+
+def test_sigmoid_router_with_selection_bias_matches_its_dense_reference():
+    """The sharded layer (dp2 x ep4, dropless) with DeepSeek-V3's router against
+    sigmoid_moe: output, input gradient, router gradient and every expert's."""
     cfg = cfg_for()
     m = mesh_lib.make_mesh(dp=2, ep=4)
     rng = np.random.default_rng(3)
@@ -134,12 +169,14 @@ def test_sigmoid_router_runs_sharded_as_on_one_device():
     x = jnp.asarray(rng.standard_normal((8, 4, 16)), jnp.float32)
     dy = jnp.asarray(rng.standard_normal((8, 4, 16)), jnp.float32)
     bias = jnp.asarray(rng.standard_normal(8), jnp.float32)
-    sharded = jax.jit(lambda p, x: dispatch.ep_moe(p, x, mesh=m, cfg=cfg, router_kind="sigmoid", bias=bias)[0])
-    one = lambda p, x: dispatch.ep_moe_shard(p, x.reshape(32, 16), axis=None, top_k=2, router_kind="sigmoid",
-                                             bias=bias)[0].reshape(8, 4, 16)
-    y, vjp = jax.vjp(sharded, p, x)
-    y1, vjp1 = jax.vjp(one, p, x)
-    assert_close((y, vjp(dy)), (y1, vjp1(dy)))
+    sharded = jax.jit(lambda p, x: dispatch.ep_moe(p, x, mesh=m, cfg=cfg, router_kind="sigmoid", bias=bias))
+    dense = lambda p, x: sigmoid_moe(p, x.reshape(32, 16), bias=bias, top_k=2).reshape(8, 4, 16)
+    y, vjp, stats = jax.vjp(sharded, p, x, has_aux=True)
+    y_ref, vjp_ref = jax.vjp(dense, p, x)
+    assert_close((y, vjp(dy)), (y_ref, vjp_ref(dy)))
     assert float(jnp.max(jnp.abs(vjp(dy)[0]["router"]))) > 0          # the router does get a gradient
-    _, stats = jax.jit(lambda p, x: dispatch.ep_moe(p, x, mesh=m, cfg=cfg, router_kind="sigmoid", bias=bias))(p, x)
     assert stats.drop_rate == 0.0
+    # the bias changes the choice of some tokens (so the test sees it used for choosing)
+    scores = jax.nn.sigmoid(x.reshape(32, 16) @ p["router"])
+    top = lambda c: np.sort(np.argsort(-np.asarray(c), axis=-1)[:, :2], axis=-1)
+    assert (top(scores) != top(scores + bias)).any()

@@ -1,8 +1,9 @@
 """Expert parallelism proven against the reference, for `jaxpar verify ep`, the tour, example
 06, the benchmark and the tests: ep_moe's output and, from jax.vjp, the input, router and
 every expert's gradient against reference.moe (dropless) or against `reference_capacity_moe`
-(the same drop rule written densely, with C from its definition: `reference_capacity`); the collectives of the forward and backward against
-`formulas.ep_moe_collectives`; the lecture's imbalance experiment and exercise 9(c)'s sweep.
+(the same drop rule written densely, its C from the definition: `reference_capacity`); the
+collectives of the forward and backward against `formulas.ep_moe_collectives`; the
+lecture's imbalance experiment and exercise 9(c)'s sweep.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ class Comparison:
     measured: dict
     expected: dict
     seconds: float
+    hlo: str = ""        # the compiled step's HLO text: its instructions, for a reader to inspect
 
     @property
     def max_error(self) -> float:
@@ -105,7 +106,8 @@ def compare(name: str, stages: int, microbatches: int, *, dp: int = 1, kind: str
     return Comparison(name=f"{name} p={stages} m={microbatches}" + (f" v={s.chunks}" if s.chunks > 1 else ""),
                       mesh=mesh_lib.describe(m), errors=errors, relative=max(errors.values()) / scale,
                       within=within, tolerance=rule, measured=compiled_collectives(compiled, pipe.plan.runs()),
-                      expected=expected_collectives(pipe, params, batch), seconds=time.perf_counter() - start)
+                      expected=expected_collectives(pipe, params, batch), seconds=time.perf_counter() - start,
+                      hlo=compiled.as_text())
 
 
 def check_runtime() -> list[Result]:

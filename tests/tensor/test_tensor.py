@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpar import reference, tensor
 from jaxpar import mesh as mesh_lib
@@ -97,16 +98,38 @@ def test_single_device_mesh():
     assert run.forward == run.backward == {}
 
 
-@pytest.mark.parametrize("case", [(2, 4, False, 2, "swiglu"), (2, 4, True, 8, "gelu")])
-def test_shardings_of_outputs_and_grads(case):
-    dp, tp, sp, kv, mlp = case
+# Megatron's layout written out for dp=2 x tp=4 and cfg_for (D=32, N=8 heads of H=4,
+# F=64), B = T = 8: {name: (PartitionSpec, shape of one device's shard)}.
+_SPLIT_HEADS = (P(None, "tp", None), (32, 2, 4))          # [D, N/4, H]: column-parallel
+MEGATRON_DP2_TP4 = {
+    "attn_norm": (P(), (32,)), "mlp_norm": (P(), (32,)),
+    "wq": _SPLIT_HEADS, "wk": _SPLIT_HEADS, "wv": _SPLIT_HEADS,
+    "wo": (P("tp", None, None), (2, 4, 32)),              # [N/4, H, D]: row-parallel
+    "w_up": (P(None, "tp"), (32, 16)), "w_gate": (P(None, "tp"), (32, 16)),   # [D, F/4]
+    "w_down": (P("tp", None), (16, 32)),                  # [F/4, D]
+}
+
+
+@pytest.mark.parametrize("case,expected", [
+    # K=2 < tp=4: each KV head replicated over 2 devices, wk and wv whole; TP: x, y[B/dp, T, D]
+    ((2, 4, False, 2, "swiglu"), {"wk": (P(), (32, 2, 4)), "wv": (P(), (32, 2, 4)),
+                                  "y": (P("dp", None, None), (4, 8, 32))}),
+    # K=8: split like the query heads; no w_gate (GeLU); SP: x, y[B/dp, T/tp, D]
+    ((2, 4, True, 8, "gelu"), {"w_gate": None, "y": (P("dp", "tp", None), (4, 2, 32))}),
+])
+def test_shardings_of_outputs_and_grads(case, expected):
+    """The output and every gradient come back in Megatron's layout: each array's
+    PartitionSpec and the shape of one device's shard, written out by hand."""
     run = _run(*case)
     y, (grads, dx) = run.out
     m = y.sharding.mesh
-    specs = tensor.TPSpecs.megatron(n_kv_heads=kv, tp=tp, sequence_parallel=sp, data_axis="dp")
-    assert y.sharding.is_equivalent_to(NamedSharding(m, specs.act_btd), 3)
-    for k, spec in specs.params(grads).items():
-        assert grads[k].sharding.is_equivalent_to(NamedSharding(m, spec), grads[k].ndim), k
+    want = {k: v for k, v in (MEGATRON_DP2_TP4 | expected).items() if v is not None}
+    want["dx"] = want["y"]                               # x is laid out as the block's output
+    got = grads | {"y": y, "dx": dx}
+    assert set(got) == set(want)
+    for k, (spec, local) in want.items():
+        assert got[k].sharding.is_equivalent_to(NamedSharding(m, spec), got[k].ndim), (k, got[k].sharding)
+        assert {s.data.shape for s in got[k].addressable_shards} == {local}, k
 
 
 def test_param_bytes_per_device_are_one_tth():
@@ -133,7 +156,10 @@ def test_counterexample_row_split_gelu_is_wrong():
     assert max_abs_diff(wrong, expected) > 0.5         # lecture: 0.82 for its setup
 
 
-VOCAB_MESHES = [(8, 1), (4, 2), (1, 8), (2, 4)]   # (dp, tp): size-1 axes included
+# (dp, tp) with the vocabulary split: at tp = 1 the public functions run the reference's
+# arithmetic (nothing to split), so the parity there is test_vocab_shard_functions_at_tp_1's,
+# on the per-shard code path
+VOCAB_MESHES = [(4, 2), (1, 8), (2, 4)]
 
 
 def _logits(batch, vocab, dtype=jnp.float32, seed=2):
@@ -163,7 +189,7 @@ def test_vocab_parallel_cross_entropy_float64(x64):
 
 
 @pytest.mark.parametrize("dp,tp,dtype", [(*m, jnp.float32) for m in VOCAB_MESHES]
-                         + [(8, 1, jnp.float64), (2, 4, jnp.float64)], ids=str)
+                         + [(2, 4, jnp.float64)], ids=str)
 def test_vocab_parallel_lm_loss(dp, tp, dtype):
     """LM head + loss: loss and the gradients of x, final_norm, unembed vs the unsharded
     rms_norm -> @ unembed -> cross_entropy; the forward's and the backward's collectives
@@ -207,6 +233,43 @@ def test_vocab_parallel_embedding(dp, tp):
     assert stats == tuple(tensor.embedding_collectives(
         cfg=reference.ModelConfig(vocab=64, d_model=16), batch_size=8, seq_len=T, dtype=jnp.float32, tp=tp, dp=dp,
         backward=b) for b in (False, True))
+
+
+def test_vocab_shard_functions_at_tp_1():
+    """tp = 1, one shard holding the whole vocabulary: the per-shard functions (embedding,
+    cross-entropy, LM head + loss) under shard_map on dp=8 x tp=1 against the reference,
+    value and gradients. The public functions at tp = 1 split nothing and run the
+    reference's arithmetic; what they claim there is their collectives: the formulas'
+    (the dp mean of the loss, nothing over tp)."""
+    m = mesh_lib.make_mesh(dp=8, tp=1)
+    cfg = reference.ModelConfig(vocab=64, d_model=16)
+    logits, targets = _logits(8, 64)
+    x, gain, unembed, lm_targets = lm_head_inputs(8, T, cfg.d_model, 64)
+    rng = np.random.default_rng(3)
+    embed = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+    ct = jnp.asarray(rng.standard_normal((8, T, 16)), jnp.float32)
+    mean = lambda loss: jax.lax.pmean(loss, "dp")
+    ce = jax.shard_map(lambda l, t: mean(tensor.cross_entropy_shard(l, t)), mesh=m,
+                       in_specs=(P("dp", None, "tp"), P("dp")), out_specs=P())
+    assert_close(jax.jit(jax.value_and_grad(ce))(logits, targets),
+                 jax.value_and_grad(lambda l: reference.cross_entropy(l, targets))(logits))
+    lm = jax.shard_map(lambda x, g, w, t: mean(tensor.lm_head_loss_shard(x, g, w, t, eps=cfg.norm_eps)), mesh=m,
+                       in_specs=(P("dp"), P(), P(None, "tp"), P("dp")), out_specs=P())
+    assert_close(jax.jit(jax.value_and_grad(lm, argnums=(0, 1, 2)))(x, gain, unembed, lm_targets),
+                 reference_lm_loss_and_grads(x, gain, unembed, lm_targets))
+    emb = jax.shard_map(tensor.embedding_shard, mesh=m, in_specs=(P("tp", None), P("dp")), out_specs=P("dp"))
+    y, vjp = jax.vjp(jax.jit(lambda e: emb(e, targets)), embed)
+    y_ref, vjp_ref = jax.vjp(lambda e: e[targets], embed)
+    assert_close((y, vjp(ct)), (y_ref, vjp_ref(ct)))
+    for public, formula, args, cotangent in (
+            (lambda l: tensor.vocab_parallel_cross_entropy(l, targets, mesh=m), tensor.cross_entropy_collectives,
+             (logits,), jnp.float32(1.0)),
+            (lambda *a: tensor.vocab_parallel_lm_loss(*a, lm_targets, mesh=m, cfg=cfg), tensor.lm_loss_collectives,
+             (x, gain, unembed), jnp.float32(1.0)),
+            (lambda e: tensor.vocab_parallel_embedding(e, targets, mesh=m), tensor.embedding_collectives, (embed,), ct)):
+        _, stats = fwd_bwd(public, *args, ct=cotangent)
+        assert stats == tuple(formula(cfg=cfg, batch_size=8, seq_len=T, dtype=jnp.float32, tp=1, dp=8, backward=b)
+                              for b in (False, True))
 
 
 def _params(cfg):

@@ -60,17 +60,31 @@ def test_zero1_shards_the_optimizer_state_over_dp():
 
 
 def test_the_nnx_model_holds_the_reference_params_and_their_partitioning():
+    """The NNX state is the reference's params, array for array, through nnx.split and
+    nnx.merge; each Param's PartitionSpec is Megatron's layout with the layers over pp and
+    the experts over ep, written out (MOE: K=2 heads split over tp=2)."""
     cfg = verify.MOE
     params = reference.init_params(jax.random.key(3), cfg)
-    m = model.LanguageModel(cfg, params=params)
-    chex.assert_trees_all_equal(m.params(), params)
-    specs = nnx.get_partition_spec(nnx.state(m))
-    assert specs["embed"].value == P("tp", None)
-    assert specs["blocks"]["w_up"].value == P("pp", "ep", None, "tp")
-    assert specs["blocks"]["wo"].value == P("pp", "tp", None, None)
-    tokens = jnp.asarray(Corpus(vocab=cfg.vocab).batch(0, batch_size=2, seq_len=8))
-    chex.assert_trees_all_close(m(tokens[:, :-1]), reference.forward(params, tokens[:, :-1], cfg))
-    chex.assert_trees_all_close(m.loss(tokens), reference.loss(params, tokens, cfg))
+    graphdef, state = nnx.split(model.LanguageModel(cfg, params=params))
+    flat = {tuple(str(k) for k in path): v for path, v in nnx.to_flat_state(state)}
+    want = {("embed",): params["embed"], ("final_norm",): params["final_norm"], ("unembed",): params["unembed"]} | {
+        ("blocks", k): a for k, a in params["blocks"].items()}
+    assert set(flat) == set(want)
+    for path, a in want.items():
+        np.testing.assert_array_equal(flat[path][...], a)
+    merged = nnx.merge(graphdef, state)
+    chex.assert_trees_all_equal(merged.params(), params)
+    specs = nnx.get_partition_spec(state)
+    tp_cols, tp_rows = P("pp", None, "tp", None), P("pp", "tp", None, None)
+    expected = {"embed": P("tp", None), "final_norm": P(None), "unembed": P(None, "tp"),
+                "blocks": {"attn_norm": P("pp", None), "mlp_norm": P("pp", None),
+                           "wq": tp_cols, "wk": tp_cols, "wv": tp_cols, "wo": tp_rows,   # [L, D, N|K, H], [L, N, H, D]
+                           "router": P("pp", None, None),                                # [L, D, E] replicated
+                           "w_up": P("pp", "ep", None, "tp"), "w_gate": P("pp", "ep", None, "tp"),  # [L, E, D, F]
+                           "w_down": P("pp", "ep", "tp", None)}}                          # [L, E, F, D]
+    got = {k: v.get_value() for k, v in specs.items() if k != "blocks"} | {
+        "blocks": {k: v.get_value() for k, v in specs["blocks"].items()}}
+    assert got == expected
 
 
 def test_batches_are_a_function_of_the_step():
@@ -131,10 +145,14 @@ def test_bad_batches_are_refused():
        cp=st.sampled_from([1, 2, 4]), m=st.integers(1, 8), layers=st.integers(1, 12), heads=st.sampled_from([2, 4, 6, 8]),
        batch=st.integers(1, 48), seq=st.integers(1, 64), sp=st.booleans())
 def test_problems_are_exactly_the_divisibility_rules(dp, pp, tp, cp, m, layers, heads, batch, seq, sp):
-    cfg = reference.ModelConfig(n_layers=layers, n_heads=heads, n_kv_heads=2, head_dim=4, d_model=16, d_ff=48,
-                                vocab=48)
+    # vocab 40 fails tp = 3 and d_ff 36 tp = 8 (48 would fail neither): the two rules are told apart
+    cfg = reference.ModelConfig(n_layers=layers, n_heads=heads, n_kv_heads=2, head_dim=4, d_model=16, d_ff=36,
+                                vocab=40)
     spec = ParallelSpec(dp=dp, pp=pp, tp=tp, cp=cp, microbatches=m, sequence_parallel=sp, schedule="gpipe")
     got = spec.problems(cfg, batch_size=batch, seq_len=seq)
-    expected = [layers % pp, heads % tp, 48 % tp, 48 % tp, 2 % tp and tp % 2, batch % (dp * m),
-                seq % (cp * (tp if sp else 1))]
-    assert len(got) == sum(bool(x) for x in expected), got
+    # each rule, and how its message begins (the value that breaks it)
+    rules = {"n_layers=": layers % pp, "n_heads=": heads % tp, "vocab=": 40 % tp, "d_ff=": 36 % tp,
+             "n_kv_heads=": 2 % tp and tp % 2, "batch_size=": batch % (dp * m), "seq_len=": seq % (cp * (tp if sp else 1))}
+    named = [[r for r in rules if msg.startswith(r)] for msg in got]
+    assert all(len(n) == 1 for n in named), got
+    assert sorted(n[0] for n in named) == sorted(r for r, broken in rules.items() if broken), got

@@ -1,7 +1,6 @@
 """The planner against the lecture (7.3 and exercises 1, 3, 7, 8), the published
-configurations, its rejections, and its speed."""
-
-import time
+configurations, its rejections, and the size of a full sweep (its speed is a benchmark:
+benchmarks/planner.py)."""
 
 import pytest
 
@@ -87,7 +86,11 @@ def test_bad_input(call, match):
         call()
 
 
-def test_a_full_sweep_of_16384_gpus_is_fast():
-    start = time.perf_counter()
+def test_a_full_sweep_of_16384_gpus_evaluates_every_candidate_once():
     found = S.search(L405, S.Cluster(gpu=H100, gpus=16384), tokens=BATCH, seq=8192, cps=(1, 2, 4))
-    assert len(found) > 1000 and time.perf_counter() - start < 5   # benchmarks/planner.py: under 1 s
+    # by hand: tp in 1, 2, 4, 8, 16 (powers of two up to two nodes of 8), pp in 1 .. 64 (7
+    # powers of two up to the 126 layers), cp in 1, 2, 4: every product divides 16384 = 2^14;
+    # 2 chunk counts when pp > 1; 3 microbatch sizes; 3 recompute choices
+    assert len(found) == 5 * 3 * (1 + 6 * 2) * 3 * 3 == 1755
+    assert len({e.candidate for e in found}) == 1755
+    assert all(e.candidate.tp * e.candidate.pp * e.candidate.cp * e.candidate.dp == 16384 for e in found)

@@ -266,7 +266,8 @@ def test_vocab_shard_functions_at_tp_1():
              (logits,), jnp.float32(1.0)),
             (lambda *a: tensor.vocab_parallel_lm_loss(*a, lm_targets, mesh=m, cfg=cfg), tensor.lm_loss_collectives,
              (x, gain, unembed), jnp.float32(1.0)),
-            (lambda e: tensor.vocab_parallel_embedding(e, targets, mesh=m), tensor.embedding_collectives, (embed,), ct)):
+            (lambda e: tensor.vocab_parallel_embedding(e, targets, mesh=m), tensor.embedding_collectives,
+             (embed,), ct)):
         _, stats = fwd_bwd(public, *args, ct=cotangent)
         assert stats == tuple(formula(cfg=cfg, batch_size=8, seq_len=T, dtype=jnp.float32, tp=1, dp=8, backward=b)
                               for b in (False, True))

@@ -152,7 +152,8 @@ def test_problems_are_exactly_the_divisibility_rules(dp, pp, tp, cp, m, layers, 
     got = spec.problems(cfg, batch_size=batch, seq_len=seq)
     # each rule, and how its message begins (the value that breaks it)
     rules = {"n_layers=": layers % pp, "n_heads=": heads % tp, "vocab=": 40 % tp, "d_ff=": 36 % tp,
-             "n_kv_heads=": 2 % tp and tp % 2, "batch_size=": batch % (dp * m), "seq_len=": seq % (cp * (tp if sp else 1))}
+             "n_kv_heads=": 2 % tp and tp % 2, "batch_size=": batch % (dp * m),
+             "seq_len=": seq % (cp * (tp if sp else 1))}
     named = [[r for r in rules if msg.startswith(r)] for msg in got]
     assert all(len(n) == 1 for n in named), got
     assert sorted(n[0] for n in named) == sorted(r for r, broken in rules.items() if broken), got

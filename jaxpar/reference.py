@@ -247,6 +247,15 @@ def mlp(p: dict, x, *, kind: str = "gelu"):
     return hidden @ p["w_down"]
 
 
+def _normalised(top_vals):
+    """top_vals [..., k] over their sum. With k = 1 the gate is exactly 1, a constant: v/v's
+    derivative is mathematically 0 but float noise in practice, which AdamW would scale into
+    full-size steps of the router."""
+    if top_vals.shape[-1] == 1:
+        return jnp.ones_like(jax.lax.stop_gradient(top_vals))
+    return top_vals / jnp.sum(top_vals, axis=-1, keepdims=True)
+
+
 def router_choice(router, x, *, top_k: int, renormalize: bool = True, kind: str = "softmax", bias=None):
     """The router's decision for tokens x [..., D] -> (gates [..., E], zero outside each
     token's top-k; chosen [..., E], 1 on its top-k; scores [..., E]).
@@ -264,13 +273,12 @@ def router_choice(router, x, *, top_k: int, renormalize: bool = True, kind: str 
         scores = jax.nn.softmax(logits, axis=-1)
         top_vals, top_idx = jax.lax.top_k(scores, top_k)
         if renormalize:
-            top_vals = top_vals / jnp.sum(top_vals, axis=-1, keepdims=True)
+            top_vals = _normalised(top_vals)
     elif kind == "sigmoid":
         scores = jax.nn.sigmoid(logits)
         choice = scores if bias is None else scores + jax.lax.stop_gradient(bias)
         top_idx = jax.lax.top_k(choice, top_k)[1]
-        top_vals = jnp.take_along_axis(scores, top_idx, axis=-1)
-        top_vals = top_vals / jnp.sum(top_vals, axis=-1, keepdims=True)
+        top_vals = _normalised(jnp.take_along_axis(scores, top_idx, axis=-1))
     else:
         raise ConfigError(f"router kind {kind!r}: use one of {', '.join(map(repr, ROUTERS))}")
     one_hot = jax.nn.one_hot(top_idx, E, dtype=scores.dtype)  # [..., k, E]

@@ -8,7 +8,8 @@ buffer each all-to-all exchanges is E*C*D elements per device:
 
     forward   2 all-to-alls (dispatch, combine), 2*E*C*D elements
     backward  2 all-to-alls (their transposes), the same; the router's gradient summed
-              over all dp*ep devices (D*E elements) and the local experts' gradients over
+              over all dp*ep devices (D*E elements; none when the router gets no
+              gradient, `router_learns`) and the local experts' gradients over
               dp (E/ep * (2 or 3) * D*F, when dp > 1). XLA's combiner merges the two
               all-reduces into one when their groups are the same (ep = 1).
 
@@ -71,6 +72,14 @@ def _tokens(cfg, batch_size, seq_len, dp, ep) -> int:
     return batch_size // (dp * ep) * seq_len
 
 
+def router_learns(cfg) -> bool:
+    """Whether the router gets a gradient (and so a gradient all-reduce): its gates depend
+    on it, unless each token keeps one expert with renormalised gates (the gate is then
+    the constant 1), or the balance loss reads its probabilities."""
+    gates_learn = not (cfg.top_k == 1 and getattr(cfg, "moe_renormalize", True))
+    return gates_learn or bool(getattr(cfg, "aux_loss", 0))
+
+
 def ep_moe_collectives(*, cfg: MoESizes, batch_size: int, seq_len: int, dtype, dp: int = 1, ep: int = 1,
                        capacity_factor=None, backward: bool = False, param_dtype=None) -> Collectives:
     """The collectives of jit(ep_moe) (backward=False) or of its backward alone."""
@@ -82,7 +91,7 @@ def ep_moe_collectives(*, cfg: MoESizes, batch_size: int, seq_len: int, dtype, d
     out = Collectives({"all-to-all": (2, 2 * E * C * D * item)}) if ep > 1 else Collectives()
     if not errors.flag("backward", backward):
         return out
-    router = D * E * pitem if dp * ep > 1 else 0
+    router = D * E * pitem if dp * ep > 1 and router_learns(cfg) else 0
     experts = (E // ep) * (3 if cfg.mlp == "swiglu" else 2) * D * F * pitem if dp > 1 else 0
     count = (1 if router else 0) + (1 if experts else 0)
     if ep == 1 and count == 2:

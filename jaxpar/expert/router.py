@@ -77,14 +77,21 @@ def route(router, x, *, top_k: int, kind: str = "softmax", renormalize: bool = T
         probs = jax.nn.softmax(logits, axis=-1)
         weights, experts = jax.lax.top_k(probs, top_k)
         if renormalize:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+            weights = _normalised(weights)
         return Routing(experts.astype(jnp.int32), weights, probs)
     scores = jax.nn.sigmoid(logits)
     choice = scores if bias is None else scores + jax.lax.stop_gradient(bias).astype(scores.dtype)
     _, experts = jax.lax.top_k(choice, top_k)
-    weights = jnp.take_along_axis(scores, experts, axis=-1)
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    weights = _normalised(jnp.take_along_axis(scores, experts, axis=-1))
     return Routing(experts.astype(jnp.int32), weights, scores)
+
+
+def _normalised(weights):
+    """weights [t, k] over their sum; top-1's gate is the constant 1 (no float-noise gradient
+    for AdamW to blow up into router steps)."""
+    if weights.shape[-1] == 1:
+        return jnp.ones_like(jax.lax.stop_gradient(weights))
+    return weights / jnp.sum(weights, axis=-1, keepdims=True)
 
 
 def expert_load(experts, n_experts: int):

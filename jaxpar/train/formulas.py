@@ -28,7 +28,8 @@ collective that only makes the stage's output when a stage holds one layer, see
              d loss/d gates, has its gradient all-reduced over tp in the backward, D*E
              elements, which XLA's combiner merges into another all-reduce of the tp group
              ready then (attention's f under TP, the norm gains' under SP): bytes, no
-             instruction.
+             instruction; with the balance loss on, its per-sequence sums over cp
+             (expert.formulas.balance_collectives).
 The embedding runs in every F of the first stage, the LM head and the cross-entropy in
 every F of the last (its backward is fused into that step: `pipeline_loss`); see
 `embedding` and `head`.
@@ -81,7 +82,7 @@ def layer_collectives(*, cfg, spec, batch_size: int, seq_len: int, dtype, backwa
         if spec.ep > 1:
             out = out + ep_formulas.ep_moe_collectives(cfg=cfg, batch_size=b * spec.ep, seq_len=tokens, dtype=dtype,
                                                        ep=spec.ep)
-        if backward and tp > 1:
+        if backward and tp > 1 and ep_formulas.router_learns(cfg):
             item = np.dtype(dtype).itemsize
             out = out + Collectives({"all-reduce": (0, cfg.d_model * cfg.n_experts * item)})
     return out
@@ -147,6 +148,12 @@ def stage_collectives(*, cfg, spec, batch_size: int, seq_len: int, dtype, runs: 
             again = again + _times(_first_hop(cfg=cfg, spec=spec, batch_size=batch_size, seq_len=seq_len,
                                               dtype=dtype), -1)
         total = total + _times(again, runs["pipeline_B"])
+    if cfg.n_experts:
+        # the balance loss's sums over cp, in the forward that keeps what reads them: F's,
+        # or under recompute B's rerun (F then keeps only the stage's input)
+        balance = ep_formulas.balance_collectives(cfg=cfg, batch_size=_rows(spec, batch_size), seq_len=seq_len,
+                                                  dtype=dtype, cp=spec.cp)
+        total = total + _times(balance, depth * runs["pipeline_B" if spec.recompute else "pipeline_F"])
     total = total + _times(embedding(**kw), runs["pipeline_first"])
     total = total + _times(embedding(**kw, backward=True), runs["pipeline_first_backward"])
     return total + _times(head(**kw), runs["pipeline_loss"])

@@ -150,9 +150,15 @@ class ParallelSpec:
                                          self.layout == "zigzag" and self.cp > 1 else "",
                                          f"tp={tp} (sequence parallel)" if self.sequence_parallel else "") if w)
             out.append(f"seq_len={seq_len} is not divisible by {why} = {per}: use a multiple of {per}")
-        if self.attention == "ulysses" and self.cp > 1 and (cfg.n_heads // max(tp, 1)) % self.cp:
-            out.append(f"Ulysses over cp={self.cp} splits each tp device's n_heads/tp = {cfg.n_heads // tp} heads: "
-                       f"use cp dividing {cfg.n_heads // tp}, or attention='ring'")
+        if self.attention == "ulysses" and self.cp > 1:
+            heads, kv = cfg.n_heads // tp, max(cfg.n_kv_heads // tp, 1)      # per tp device (KV: 1 when tp > K)
+            if heads % self.cp:
+                out.append(f"Ulysses over cp={self.cp} splits each tp device's n_heads/tp = {heads} heads: "
+                           f"use cp dividing {heads}, or attention='ring'")
+            if kv % self.cp and self.cp % kv:
+                out.append(f"Ulysses over cp={self.cp} splits each tp device's {kv} KV heads cp ways or repeats "
+                           f"each cp/{kv} times, so one of cp and {kv} must divide the other: use cp in "
+                           f"({errors.divisors(kv)}) or a multiple of {kv}, or attention='ring'")
         try:
             self.make_schedule()
         except ConfigError as e:

@@ -32,6 +32,7 @@ from jaxpar.mesh import DP, PP
 from jaxpar.pipeline import formulas as pipe_formulas
 from jaxpar.pipeline.plan import LANE_SCOPES
 from jaxpar.pipeline.stage import spec_axes
+from jaxpar.expert import formulas as ep_formulas
 from jaxpar.train import formulas as train_formulas
 
 
@@ -67,6 +68,13 @@ def expected_reductions(trainer) -> dict[int, float]:
             split = tuple(x for x in spec_axes(s) if trainer.mesh.shape[x] > 1) + ((DP,) if d >= 0 else ())
             add(split, jnp.dtype(a.dtype).itemsize)          # the norm: one scalar per weight
     add(batch_axes + pp, jnp.dtype(trainer.dtype).itemsize)  # the loss
+    cfg = trainer.cfg
+    if cfg.n_experts:   # load balancing's statistics of this device's layers, once a step
+        sizes = {a: trainer.mesh.shape[a] for a in ("dp", "ep", "cp", "tp")}
+        balance = ep_formulas.balance_reduction(cfg=cfg, layers=cfg.n_layers // spec.pp, dtype=trainer.dtype,
+                                                **sizes)
+        for n, nbytes in balance.items():
+            out[n] = out.get(n, 0.0) + nbytes
     return out
 
 

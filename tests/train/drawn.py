@@ -3,7 +3,8 @@ the property tests of the composed model (tests/train/test_drawn.py).
 
 `configurations(family)` draws a `reference.ModelConfig` (layers, heads with every legal
 KV-head count down to one (MQA), head_dim, d_ff, vocab, GeLU or SwiGLU, RoPE on or off,
-dense or an MoE of 4-8 experts with top-1 or top-2), a `ParallelSpec` over at most 8
+dense or an MoE of 4-8 experts with top-1 or top-2, a softmax or sigmoid router, with or
+without the balance loss and DeepSeek-V3's selection bias), a `ParallelSpec` over at most 8
 devices (dp, pp, tp, cp, ep of any size whose product is <= 8, odd sizes included; every
 registered schedule with microbatches and chunks it accepts; SP, recompute, ZeRO-1, ring
 or Ulysses, both token layouts) and a batch and a sequence length, built to satisfy the
@@ -38,7 +39,8 @@ class Drawn:
         model = (f"L{c.n_layers} D{c.d_model} N{c.n_heads} K{c.n_kv_heads} H{c.head_dim} F{c.d_ff} V{c.vocab} "
                  f"{c.mlp}{' rope' if c.rope_theta else ''}")
         if c.n_experts:
-            model += f" E{c.n_experts} top{c.top_k}{'' if c.moe_renormalize else ' raw-gates'}"
+            model += (f" E{c.n_experts} top{c.top_k} {c.router}{'' if c.moe_renormalize else ' raw-gates'}"
+                      f"{f' aux{c.aux_loss:g}' if c.aux_loss else ''}{f' bias{c.bias_rate:g}' if c.bias_rate else ''}")
         return f"{model} | {self.spec!r} | batch {self.batch_size} x {self.seq_len}"
 
 
@@ -91,21 +93,21 @@ def configurations(draw, family: str = "any") -> Drawn:
     n_kv_heads = draw(st.sampled_from(legal_kv))
     rope = draw(st.booleans())
     head_dim = draw(st.sampled_from([2, 4]))
-    n_experts, top_k, renormalize = 0, 2, True
+    n_experts, top_k, renormalize, balance = 0, 2, True, {}
     if moe:
         n_experts = draw(st.sampled_from([e for e in range(4, 9) if e % ep == 0]))
         top_k = draw(st.sampled_from([1, 2]))
-        # top-1 with renormalised gates has gates of exactly 1: the router gets no gradient
-        # (mathematically zero, float noise in practice, which AdamW scales to full steps);
-        # Switch's top-1 gate is the raw probability
-        renormalize = top_k == 2 and draw(st.booleans())
+        router = draw(st.sampled_from(["softmax", "sigmoid"]))
+        renormalize = router == "sigmoid" or draw(st.booleans())
+        balance = dict(router=router, aux_loss=draw(st.sampled_from([0.0, 0.01])),
+                       bias_rate=draw(st.sampled_from([0.0, 1e-3])) if router == "sigmoid" else 0.0)
     stages = pp * spec.virtual_chunks        # deeper stacks add compile time, not coverage: <= 2 layers a stage
     cfg = reference.ModelConfig(
         n_layers=stages * (draw(st.sampled_from([1, 2])) if stages <= 4 else 1) if pp > 1 else draw(st.integers(1, 2)),
         d_model=draw(st.sampled_from([8, 16])), n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
         d_ff=tp * draw(st.sampled_from([4, 8])), vocab=tp * draw(st.sampled_from([4, 8])) if tp > 2 else 16,
         mlp=draw(st.sampled_from(["gelu", "swiglu"])), n_experts=n_experts, top_k=top_k,
-        moe_renormalize=renormalize, rope_theta=10000.0 if rope else 0.0)
+        moe_renormalize=renormalize, rope_theta=10000.0 if rope else 0.0, **balance)
     rows = dp * ep * m
     per = cp * (2 if layout == "zigzag" and cp > 1 else 1) * (tp if sp else 1)
     seq_len = per * draw(st.sampled_from([1, 2])) if per > 1 else draw(st.sampled_from([4, 8]))

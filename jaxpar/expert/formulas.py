@@ -72,12 +72,16 @@ def _tokens(cfg, batch_size, seq_len, dp, ep) -> int:
     return batch_size // (dp * ep) * seq_len
 
 
+def constant_gates(cfg) -> bool:
+    """Each token keeps one expert with renormalised gates: every gate is the constant 1,
+    so nothing in the backward reads the experts' outputs or the router's scores."""
+    return cfg.top_k == 1 and getattr(cfg, "moe_renormalize", True)
+
+
 def router_learns(cfg) -> bool:
     """Whether the router gets a gradient (and so a gradient all-reduce): its gates depend
-    on it, unless each token keeps one expert with renormalised gates (the gate is then
-    the constant 1), or the balance loss reads its probabilities."""
-    gates_learn = not (cfg.top_k == 1 and getattr(cfg, "moe_renormalize", True))
-    return gates_learn or bool(getattr(cfg, "aux_loss", 0))
+    on it (not `constant_gates`), or the balance loss reads its probabilities."""
+    return not constant_gates(cfg) or bool(getattr(cfg, "aux_loss", 0))
 
 
 def ep_moe_collectives(*, cfg: MoESizes, batch_size: int, seq_len: int, dtype, dp: int = 1, ep: int = 1,

@@ -88,7 +88,23 @@ def layer_collectives(*, cfg, spec, batch_size: int, seq_len: int, dtype, backwa
     return out
 
 
-def _first_hop(*, cfg, spec, batch_size: int, seq_len: int, dtype) -> Collectives:
+def _output_only(*, cfg, spec, batch_size: int, seq_len: int, dtype) -> Collectives:
+    """The collectives of a layer's forward that only make its output: B needs the
+    recomputed layer's residuals, not its output, so with one layer per stage (no scan
+    left around it) XLA drops them from B's rerun. The last g all-reduce (TP) or
+    reduce-scatter (SP); and the MoE's combine all-to-all when the gates are constant
+    (top-1 renormalised: no gate gradient reads the experts' outputs)."""
+    out = Collectives()
+    tokens = _rows(spec, batch_size) * seq_len // spec.cp
+    act = tokens * cfg.d_model * np.dtype(dtype).itemsize
+    if spec.tp > 1:
+        out = out + Collectives({"reduce-scatter" if spec.sequence_parallel else "all-reduce": (1, act)})
+    if cfg.n_experts and spec.ep > 1 and ep_formulas.constant_gates(cfg):
+        out = out + Collectives({"all-to-all": (1, cfg.n_experts * act)})    # [E, C = tokens, D], dropless
+    return out
+
+
+def _hop(*, cfg, spec, batch_size: int, seq_len: int, dtype) -> Collectives:
     """One K/V hop of the ring: one stacked K/V block (cp of them in an all-to-all hop)."""
     kv = cfg.n_kv_heads // spec.tp if cfg.n_kv_heads % spec.tp == 0 else 1
     block = 2 * _rows(spec, batch_size) * (seq_len // spec.cp) * kv * cfg.head_dim * np.dtype(dtype).itemsize
@@ -136,17 +152,15 @@ def stage_collectives(*, cfg, spec, batch_size: int, seq_len: int, dtype, runs: 
     total = _times(fwd, depth * runs["pipeline_F"]) + _times(bwd, depth * runs["pipeline_B"])
     if spec.recompute:
         again = _times(fwd, depth)
-        if depth == 1 and spec.tp > 1:
-            # B needs the recomputed layer's residuals, not its output: with one layer per
-            # stage (no scan left around it) XLA drops the collective that only makes the
-            # output, the last g all-reduce (TP) or reduce-scatter (SP)
-            act = _rows(spec, batch_size) * seq_len // spec.cp * cfg.d_model * np.dtype(dtype).itemsize
-            again = again + Collectives({"reduce-scatter" if spec.sequence_parallel else "all-reduce": (-1, -act)})
+        if depth == 1:
+            again = again + _times(_output_only(**kw), -1)
         if depth == 1 and spec.cp > 1 and spec.attention == "ring":
-            # and the ring's backward begins with the hop its recomputed forward began
-            # with, of the same K/V: XLA keeps one of the two
-            again = again + _times(_first_hop(cfg=cfg, spec=spec, batch_size=batch_size, seq_len=seq_len,
-                                              dtype=dtype), -1)
+            # and the ring's backward sends the K/V hops its recomputed forward sent, of the
+            # same blocks: XLA keeps one of each pair it sees outside a loop, the first hop
+            # (context.ring._ring: steps 1..cp-2 are a scan, inlined only when it runs once)
+            merged = spec.cp - 1 if spec.cp <= 3 else 1
+            again = again + _times(_hop(cfg=cfg, spec=spec, batch_size=batch_size, seq_len=seq_len,
+                                        dtype=dtype), -merged)
         total = total + _times(again, runs["pipeline_B"])
     if cfg.n_experts:
         # the balance loss's sums over cp, in the forward that keeps what reads them: F's,

@@ -114,7 +114,8 @@ def parity(spec: ParallelSpec, cfg: reference.ModelConfig = DENSE, *, steps: int
            seq_len: int = 16, optim: OptimConfig = OPTIM, dtype=jnp.float32, devices=None) -> Result:
     """`steps` steps on `spec` against the unsharded model: max relative error of the
     losses, the gradient norms and the final parameters (each leaf's max abs error over
-    its max abs value)."""
+    its max abs value), and of the first step's loss and gradient norm alone (before
+    any update: the forward and backward at the same weights)."""
     start = time.perf_counter()
     devices = list(jax.devices()[:spec.devices] if devices is None else devices)
     trainer = Trainer(cfg, spec, optim, batch_size=batch_size, seq_len=seq_len, devices=devices, dtype=dtype)
@@ -128,7 +129,8 @@ def parity(spec: ParallelSpec, cfg: reference.ModelConfig = DENSE, *, steps: int
     ref_losses, ref_norms, ref_params = reference_run(cfg, optim, steps, batch_size, seq_len, jnp.dtype(dtype).name)
     rel = lambda a, b: float(np.max(np.abs(np.asarray(a) - b)) / max(np.max(np.abs(b)), 1e-30))
     errors = {"losses": rel(losses, ref_losses), "grad norms": rel(norms, ref_norms),
-              "params": max(rel(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)))}
+              "params": max(rel(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params))),
+              "first step": max(rel(losses[:1], ref_losses[:1]), rel(norms[:1], ref_norms[:1]))}
     rtol = 1e-5 if jnp.dtype(dtype) == jnp.float32 else 1e-12
     c = summary.collectives(trainer, trainer.compiled)      # pp rank 0's: sends and its stages'
     measured = {"step": c["sends"] + c["stages"][0]}

@@ -14,7 +14,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
@@ -35,17 +34,6 @@ def _parity(drawn, dtype=jnp.float32):
                          optim=OPTIM, dtype=dtype)
 
 
-def _float32_error_of_the_reference(drawn) -> dict[str, float]:
-    """How far the unsharded model's own float32 run is from its float64 run, measured
-    as parity measures the sharded one."""
-    run = lambda dtype: verify.reference_run(drawn.cfg, OPTIM, 3, drawn.batch_size, drawn.seq_len, dtype)
-    with jax.enable_x64(True):
-        (l32, n32, p32), (l64, n64, p64) = run("float32"), run("float64")
-    rel = lambda a, b: float(np.max(np.abs(np.asarray(a, np.float64) - b)) / max(np.max(np.abs(b)), 1e-300))
-    return {"losses": rel(l32, l64), "grad norms": rel(n32, n64),
-            "params": max(rel(a, b) for a, b in zip(jax.tree.leaves(p32), jax.tree.leaves(p64)))}
-
-
 def _check(drawn):
     start = time.perf_counter()
     r = _parity(drawn)
@@ -56,14 +44,16 @@ def _check(drawn):
                                                                "expected_stages", "reductions",
                                                                "expected_reductions", "zero", "expected_zero")})
     if max(r.errors.values()) > RTOL:
-        # A deep, narrow model trained with AdamW can amplify float32 rounding past 1e-5 on
-        # any mesh, the unsharded one included. Then the proof is float64 (exact to 1e-12),
-        # and float32 no further from the truth than the unsharded float32 run is (10x).
+        # Float32 rounding differs between any two summation orders, and training can
+        # amplify it past 1e-5 in 3 steps: AdamW turns a near-zero gradient's rounding into
+        # a full step (m / sqrt(v)), a deep narrow stack compounds it, and top-k routing
+        # turns it into another expert for a token near a tie. Then the proof is float64,
+        # exact to 1e-12 over the same 3 steps, and the float32 first step (the same
+        # weights, nothing amplified yet) within 1e-5.
+        assert r.errors["first step"] <= RTOL, (str(drawn), r.errors)
         with jax.enable_x64(True):
             r64 = _parity(drawn, jnp.float64)
         assert max(r64.errors.values()) <= 1e-12, (str(drawn), r64.errors)
-        own = _float32_error_of_the_reference(drawn)
-        assert all(r.errors[k] <= max(RTOL, 10 * own[k]) for k in own), (str(drawn), r.errors, own)
     if LOG:
         with open(LOG, "a") as f:
             f.write(f"{time.perf_counter() - start:6.1f} s  {drawn}  {r.errors}\n")

@@ -7,9 +7,11 @@ On 8 fake CPU devices:
           violated constraint, before anything compiles;
   demo 2  the model as flax NNX parameters with partition metadata (flax's own
           get_partition_spec reads them);
-  demo 3  20 steps on pp2 x cp2 x ep2 (an MoE, ring attention inside the pipeline
-          stages) against the unsharded model, batch for batch: losses, gradient norms
-          and final parameters (every mesh of the issue: tests/train/test_train.py);
+  demo 3  20 steps on pp2 x cp2 x ep2 (an MoE balanced by its loss and DeepSeek-V3's
+          bias, Ulysses attention on zigzag-ordered tokens inside the pipeline stages)
+          against the unsharded model, batch for batch: losses, gradient norms and final
+          parameters, and the step's collectives against the formulas (eight meshes:
+          tests/train/test_train.py; drawn configurations: tests/train/test_drawn.py);
   demo 4  20 steps on dp2 x pp2 x tp2 (1F1B) and the run's summary: tokens/s, memory per
           device from the compiled step, the collectives of one step against the formulas;
   demo 5  a checkpoint saved on dp2 x pp2 x tp2, restored on pp4 x tp2, training on
@@ -17,6 +19,7 @@ On 8 fake CPU devices:
 The same: `jaxpar train --mesh dp=2,pp=2,tp=2 --steps 200`, `jaxpar verify train`.
 """
 
+import dataclasses
 import tempfile
 
 from jaxpar import mesh
@@ -60,11 +63,16 @@ def demo_nnx():
 
 def demo_parity():
     print("\n== demo 3: 20 steps against the unsharded model ==")
-    for name in ("pp2 cp2 ep2",):
-        spec, cfg, batch = verify.MESHES[name]
-        r = verify.parity(spec, cfg, batch_size=batch)
-        errs = ", ".join(f"{k} {v:.1e}" for k, v in r.errors.items())
-        print(f"  {r.name}: max relative error {errs} (tolerance 1e-5): {'ok' if r.passed else 'FAILED'}; {r.note}")
+    # an MoE balanced both ways (the Switch/GShard loss, DeepSeek-V3's selection bias),
+    # Ulysses attention over cp on zigzag-ordered tokens, the experts over ep, in 1F1B
+    cfg = dataclasses.replace(verify.MOE, router="sigmoid", aux_loss=0.01, bias_rate=1e-3)
+    spec = ParallelSpec(pp=2, cp=2, ep=2, microbatches=2, attention="ulysses", layout="zigzag")
+    r = verify.parity(spec, cfg, batch_size=8)
+    errs = ", ".join(f"{k} {v:.1e}" for k, v in r.errors.items())
+    print(f"  {r.name}: max relative error {errs} (tolerance 1e-5): {'ok' if r.passed else 'FAILED'}; {r.note}")
+    ok = "=" if r.collectives_match else "!="
+    print(f"  one step's collectives on pp rank 0: {r.measured['step'].format()} {ok} formula "
+          f"{r.expected['step'].format()} (every rank, the reduction and ZeRO: {'ok' if r.passed else 'FAILED'})")
 
 
 def demo_summary():

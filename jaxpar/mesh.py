@@ -21,8 +21,7 @@ import re
 from collections.abc import Sequence
 
 import jax
-from jax._src import xla_bridge
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from jaxpar.errors import ConfigError, is_whole, whole
 
@@ -34,10 +33,17 @@ _XLA_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 
 def _backends_started() -> bool:
-    # jax keeps initialised backends in xla_bridge._backends; empty until the first
-    # jax.devices()/computation. This is the only reliable signal that a device count
-    # can still be changed.
-    return bool(getattr(xla_bridge, "_backends", {}))
+    """Whether JAX has started its backends (at the first jax.devices() or computation),
+    told without starting them: `jax_num_cpu_devices` may change only before, and its
+    validator refuses a new value after. So a change to it, undone at once, is the test;
+    it uses the public config alone."""
+    current = jax.config.jax_num_cpu_devices
+    try:
+        jax.config.update("jax_num_cpu_devices", current + 1)
+    except RuntimeError:
+        return True
+    jax.config.update("jax_num_cpu_devices", current)
+    return False
 
 
 def use_cpu_devices(n: int) -> int:
@@ -128,6 +134,14 @@ def describe(mesh: Mesh) -> str:
 def axis_size(mesh: Mesh, name: str) -> int:
     """The size of axis `name` of `mesh`, 1 when the mesh has no such axis."""
     return int(mesh.shape.get(name, 1))
+
+
+def pspec_axes(pspec: PartitionSpec | None) -> set[str]:
+    """The mesh axes a PartitionSpec names (P(("dp", "ep"), "tp") -> {"dp", "ep", "tp"})."""
+    out: set[str] = set()
+    for entry in pspec or ():
+        out.update(entry if isinstance(entry, tuple) else () if entry is None else (entry,))
+    return out
 
 
 def require_mesh(mesh, *, axes: tuple[str, ...] = (), only: tuple[str, ...] | None = None,

@@ -21,6 +21,7 @@ n = mesh.use_cpu_devices(8)
 from jaxpar.memory import activations as A  # noqa: E402
 from jaxpar.memory import states  # noqa: E402
 from jaxpar.memory import verify  # noqa: E402
+from jaxpar.pipeline import formulas as pipeline_formulas  # noqa: E402
 from jaxpar.planner import catalog  # noqa: E402
 from jaxpar.planner.search import block  # noqa: E402
 
@@ -64,8 +65,11 @@ def demo_modern():
     for kind in ("gpt", "block"):
         blk = block(m, kind)
         sel = A.layer_bytes(blk, seq=8192, tp=8, sp=True, recompute="selective")
-        print(f"  {kind:<5}: selective {sel / 1e9:.3f} GB per layer; first stage of PP 16 under 1F1B (8 layers x 16 "
-              f"in flight): {A.first_stage_bytes(blk, layers=126, seq=8192, tp=8, sp=True, recompute='selective', pp=16, microbatches=16) / 1e9:.0f} GB")
+        in_flight = pipeline_formulas.in_flight("1f1b", p=16, m=16)      # 16: p warm-up forwards
+        first = A.first_stage_bytes(blk, layers=126, seq=8192, tp=8, sp=True, recompute="selective", pp=16,
+                                    in_flight=in_flight)
+        print(f"  {kind:<5}: selective {sel / 1e9:.3f} GB per layer; first stage of PP 16 under 1F1B (8 layers x "
+              f"{in_flight:g} in flight): {first / 1e9:.0f} GB")
     flash = A.Block(hidden=16384, heads=128, kv_heads=8, ffn=53248, mlp="swiglu", dropout=False, flash=True)
     print(f"  flash attention, no recompute: {A.layer_bytes(flash, seq=8192, tp=8, sp=True) / 1e9:.3f} GB per layer "
           "(no s^2 term: the softmax statistics instead)")

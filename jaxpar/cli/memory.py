@@ -12,8 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from jaxpar import errors
 from jaxpar.cli.plan import table
 from jaxpar.memory import activations as A
+from jaxpar.pipeline import formulas as pipeline_formulas
+from jaxpar.pipeline import orders
 from jaxpar.planner import catalog
 from jaxpar.planner.search import ACTIVATIONS, block
 
@@ -33,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
     parser.add_argument("--recompute", default="none", choices=A.RECOMPUTE)
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages, for the first stage's total")
-    parser.add_argument("--schedule", default="1f1b", help="1f1b, gpipe, interleaved, zb-h1, zb-h2, dualpipe-v, naive")
+    parser.add_argument("--schedule", default=orders.DEFAULT, help=f"one of: {', '.join(orders.REGISTRY)}")
     parser.add_argument("--microbatches", type=int, default=1, help="microbatches m per pipeline")
     parser.add_argument("--chunks", type=int, default=1, help="chunks per device (interleaved)")
     parser.add_argument("--json", action="store_true")
@@ -45,12 +48,13 @@ def main(args) -> int:
     kw = dict(seq=args.seq, batch=args.batch, tp=args.tp, sp=args.sp, cp=args.cp, recompute=args.recompute)
     terms = A.breakdown(blk, **kw)
     layer = sum(b for _, b in terms)
-    stage = A.first_stage_bytes(blk, layers=model.layers, pp=args.pp, schedule=args.schedule,
-                                microbatches=args.microbatches, chunks=args.chunks, **kw)
+    errors.whole("pp", args.pp)    # refused as pp (--pp), before the schedule's p
+    in_flight = pipeline_formulas.in_flight(args.schedule, p=args.pp, m=args.microbatches, v=args.chunks)
+    stage = A.first_stage_bytes(blk, layers=model.layers, pp=args.pp, in_flight=in_flight, **kw)
     quad = sum(b for name, b in terms if name in ("softmax output", "softmax dropout mask", "dropout output"))
     out = {"terms": dict(terms), "layer_bytes": layer, "attention_matrix_bytes": quad,
            "layers": model.layers, "first_stage_bytes": stage,
-           "in_flight": A.in_flight(args.schedule, p=args.pp, m=args.microbatches, v=args.chunks)}
+           "in_flight": in_flight}
     if args.json:
         print(json.dumps(out, indent=1))
         return 0

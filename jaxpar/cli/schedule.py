@@ -8,9 +8,9 @@
     jaxpar schedule gpipe --json | --png t.png | --trace t.json   (Perfetto: ui.perfetto.dev)
     jaxpar schedule 1f1b --steps                   also the SPMD steps the JAX runtime runs
 
-Time is in ticks of one action, peaks in live microbatches; interleaved and dualpipe-v run
-each action on one chunk, 1/v of a stage, so there ticks and peaks are chunk-sized and
-`--all` also gives them divided by v (stage units) to compare with the others.
+Time is in ticks of one action, peaks in live microbatches; a schedule with v > 1 chunks
+per device runs each action on one chunk, 1/v of a stage, so there ticks and peaks are
+chunk-sized and `--all` also gives them divided by v (stage units) to compare with the others.
 
 Pure Python: no JAX start-up; matplotlib only for --png. The library speaks Python
 (`microbatches=7`); FLAGS gives main the flags to say it in (`-m 7`).
@@ -29,20 +29,29 @@ from jaxpar.pipeline import orders, plan, schedule, viz
 
 FLAGS = {"stages": "-p", "microbatches": "-m", "chunks": "-v", "costs": "--costs"}
 HELP = "pipeline schedules as data: timelines, bubble, peak activations (lecture section 2)"
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else "".join(names)
+
+
 COSTS_HELP = (
-    "ticks per action kind, per chunk for interleaved and dualpipe-v (default F=1,B=2). "
-    "zb-h1, zb-h2 and dualpipe-v split the backward: there B is the input gradient only and W "
-    "the weight gradient (default F=1,B=1,W=1; W keeps 1 unless given, so F=1,B=2 means B=2 "
-    "plus W=1). zb-h1 and zb-h2 are Qi et al.'s handcrafted orders, designed for F=B=W; with "
-    "other costs they still run, but are not the orders Qi et al.'s scheduler would pick.")
+    f"ticks per action kind, per chunk for {_listed([n for n, k in orders.REGISTRY.items() if k.chunks > 1])} "
+    f"(default F=1,B=2). {_listed(orders.names(split_backward=True))} split the backward: there B is the input "
+    "gradient only and W the weight gradient (default F=1,B=1,W=1; W keeps 1 unless given, so F=1,B=2 means B=2 "
+    "plus W=1). Their orders are Qi et al.'s handcrafted orders, designed for F=B=W; with other costs they "
+    "still run, but are not the orders Qi et al.'s scheduler would pick.")
+CHUNKS_HELP = "model chunks per device, " + "; ".join(
+    [f"{_listed(orders.names(takes_chunks=True))} only (default "
+     f"{', '.join(str(k.chunks) for k in orders.REGISTRY.values() if k.takes_chunks)})"]
+    + [f"{n}: {k.chunks}" for n, k in orders.REGISTRY.items() if k.chunks > 1 and not k.takes_chunks])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", nargs="?", metavar="NAME", help=f"one of: {', '.join(orders.REGISTRY)}")
     parser.add_argument("-p", "--stages", type=int, default=4, help="pipeline stages (devices) p (default 4)")
     parser.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches m (default 8)")
-    parser.add_argument("-v", "--chunks", type=int, default=None,
-                        help="model chunks per device, interleaved only (default 2; dualpipe-v: 2)")
+    parser.add_argument("-v", "--chunks", type=int, default=None, help=CHUNKS_HELP)
     parser.add_argument("--costs", default=None, metavar="F=1,B=2[,W=1]", help=COSTS_HELP)
     parser.add_argument("--all", action="store_true", help="compare every schedule for this p and m")
     parser.add_argument("--json", action="store_true", help="print the schedule (table, stats, sends) as JSON")
@@ -72,7 +81,7 @@ def compare(p: int, m: int, v: int | None, costs: dict[str, int] | None) -> list
     schedule.check_sizes(p, m, 1 if v is None else v)   # sizes every schedule needs: refused once, here
     out = []
     for name, kind in orders.REGISTRY.items():
-        chunks = v if name == "interleaved" else None
+        chunks = v if kind.takes_chunks else None
         own = {k: c for k, c in (costs or {}).items() if k != "W" or kind.split_backward}
         try:
             s = schedule.make(name, p, m, chunks, own)

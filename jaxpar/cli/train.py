@@ -18,6 +18,8 @@ import argparse
 import contextlib
 import json
 
+from jaxpar.pipeline import orders
+
 FLAGS = {"dp": "--mesh dp", "pp": "--mesh pp", "tp": "--mesh tp", "cp": "--mesh cp", "ep": "--mesh ep",
          "microbatches": "--microbatches", "batch_size": "--batch", "seq_len": "--seq", "n_layers": "--layers",
          "n_heads": "--heads", "n_kv_heads": "--kv-heads", "vocab": "--vocab", "n_experts": "--experts",
@@ -30,9 +32,10 @@ HELP = "train the composed model on a dp x pp x tp x cp x ep mesh (lecture 7), w
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", default="dp=2,pp=2,tp=2", help="axis sizes, e.g. dp=2,pp=2,tp=2 (dp pp cp ep tp)")
-    parser.add_argument("--schedule", default="1f1b", help="naive gpipe 1f1b interleaved zb-h1 zb-h2 dualpipe-v")
+    parser.add_argument("--schedule", default=orders.DEFAULT, help=f"one of: {', '.join(orders.REGISTRY)}")
     parser.add_argument("--microbatches", type=int, default=None, help="microbatches (default: 2 x pp)")
-    parser.add_argument("--chunks", type=int, default=None, help="model chunks per device (interleaved)")
+    parser.add_argument("--chunks", type=int, default=None,
+                        help=f"model chunks per device ({', '.join(orders.names(takes_chunks=True))})")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism on tp")
     parser.add_argument("--recompute", action="store_true", help="keep only each stage's input between F and B")
     parser.add_argument("--zero", type=int, default=0, help="1: ZeRO-1, optimizer state sharded over dp")

@@ -172,28 +172,15 @@ def gpt_formula(*, seq: int, batch: int, hidden: int, heads: int, tp: int = 1, s
 
 # ---- the whole model on the first pipeline stage ---------------------------------------
 
-def in_flight(schedule: str, *, p: int, m: int, v: int = 1) -> float:
-    """Microbatches whose activations the first stage holds at its peak, in units of a
-    whole stage's activations: naive 1; GPipe m; 1F1B and ZB-H1 min(m, p); interleaved
-    p(1 + (p-1)/(p v)) (Narayanan et al. 2021; at most m v chunks of 1/v stage); ZB-H2
-    min(m, 2p-1); DualPipe-V min(m, p)... its 2p chunks of half a stage."""
-    for name, value in (("p", p), ("m", m), ("v", v)):
-        errors.whole(name, value)
-    forms = {"naive": lambda: 1, "gpipe": lambda: m, "1f1b": lambda: min(m, p), "zb-h1": lambda: min(m, p),
-             "zb-h2": lambda: min(m, 2 * p - 1), "dualpipe-v": lambda: min(m, p),
-             "interleaved": lambda: min(p * (1 + (p - 1) / (p * v)), m)}
-    if schedule not in forms:
-        raise ConfigError(f"unknown schedule {schedule!r}: one of {', '.join(forms)}")
-    return float(forms[schedule]())
-
-
 def first_stage_bytes(block: Block, *, layers: int, seq: int, batch: int = 1, tp: int = 1, sp: bool = False,
-                      cp: int = 1, recompute: str = "none", pp: int = 1, schedule: str = "1f1b", microbatches: int = 1,
-                      chunks: int = 1) -> float:
+                      cp: int = 1, recompute: str = "none", pp: int = 1, in_flight: float = 1) -> float:
     """Activation bytes on the first pipeline stage at its peak: layers per stage (the
-    first stage takes ceil(layers/pp)) x one layer x microbatches in flight."""
+    first stage takes ceil(layers/pp)) x one layer x `in_flight`, the microbatches whose
+    activations it holds, in whole stages (a schedule's: `pipeline.formulas.in_flight`)."""
     errors.whole("layers", layers)
     errors.whole("pp", pp)
+    errors.number("in_flight", in_flight, fix="give the microbatches in flight, e.g. "
+                  "pipeline.formulas.in_flight('1f1b', p=8, m=64) = 8")
     per_stage = -(-layers // pp)
     return per_stage * layer_bytes(block, seq=seq, batch=batch, tp=tp, sp=sp, cp=cp, recompute=recompute) * \
-        in_flight(schedule, p=pp, m=microbatches, v=chunks)
+        float(in_flight)

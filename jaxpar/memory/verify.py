@@ -30,6 +30,7 @@ from jaxpar import reference
 from jaxpar import mesh as mesh_lib
 from jaxpar.memory import activations as A
 from jaxpar.mesh import TP
+from jaxpar.pipeline import formulas as pipeline_formulas
 from jaxpar.pipeline import plan as plan_lib
 from jaxpar.pipeline import runtime
 from jaxpar.pipeline import schedule as schedule_lib
@@ -170,7 +171,7 @@ def _pipeline_temp(name: str, p: int, m: int, *, cfg, batch: int, seq: int) -> t
 
 
 def check_pipeline_memory(p: int = 2, m: int = 8, batch: int = 2, seq: int = 128) -> list[Result]:
-    """The microbatches in flight on the first stage (activations.in_flight) against the
+    """The microbatches in flight on the first stage (pipeline.formulas.in_flight) against the
     runtime's compiled temp memory. GPipe at m and 2m gives the cost of one more in
     flight (a stage's activations and its waiting gradient); 1F1B and ZB-H2 at m then
     hold (temp - GPipe's at m) / that + m in flight: p and 2p - 1 (ZB-H2's buffer of each
@@ -194,7 +195,7 @@ def check_pipeline_memory(p: int = 2, m: int = 8, batch: int = 2, seq: int = 128
         t, plan = temp(name, m)
         kept = (plan.n_res + 1) * 2 * act if plan.schedule.split_backward else 0   # output gradients for W
         held = m - (g1 - (t - kept)) / per
-        expect = A.in_flight(name, p=p, m=m)
+        expect = pipeline_formulas.in_flight(name, p=p, m=m)
         out.append(Result(name=f"pipeline memory: {name} in flight", mesh=f"pp={p}",
                           errors={"|compiled - model| / model": abs(held - expect) / expect},
                           passed=abs(held - expect) <= 0.10 * expect and plan.n_res == expect,
@@ -203,7 +204,7 @@ def check_pipeline_memory(p: int = 2, m: int = 8, batch: int = 2, seq: int = 128
     for name in ("interleaved", "dualpipe-v"):
         s = schedule_lib.make(name, stages=p, microbatches=m)
         slots = plan_lib.plan(s).n_res
-        expect = A.in_flight(name, p=p, m=m, v=s.chunks)
+        expect = pipeline_formulas.in_flight(name, p=p, m=m, v=s.chunks)
         out.append(Result(name=f"pipeline memory: {name} in flight", mesh=f"pp={p}",
                           errors={"|plan slots / v - model|": abs(slots / s.chunks - expect)},
                           passed=slots / s.chunks == expect,

@@ -1,4 +1,5 @@
-"""The pipeline's closed forms: bubble fractions and the collectives of one step.
+"""The pipeline's closed forms: bubble fractions, microbatches in flight, and the
+collectives of one step.
 
 Pure Python (the planner reads it; no JAX). Every figure here is checked against what
 the schedule's table gives (bubbles) or what the compiled program runs (collectives).
@@ -6,30 +7,63 @@ the schedule's table gives (bubbles) or what the compiled program runs (collecti
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from jaxpar import errors
 from jaxpar.comms import Collectives
 from jaxpar.errors import ConfigError
+from jaxpar.pipeline import orders
 from jaxpar.pipeline import plan as plan_lib
 from jaxpar.pipeline.schedule import Schedule
 
 
+# Closed forms by the shape of the timeline; `orders.Kind.bubble` and `Kind.in_flight`
+# name each schedule's (the tests hold every one against the tables).
+BUBBLES: dict[str, Callable[[int, int, int], float]] = {
+    # idle / total time with the default costs
+    "one at a time": lambda p, m, v: (p - 1) / p,     # m > 1 is gradient accumulation
+    "fill-drain": lambda p, m, v: (p - 1) / (m + p - 1),  # lecture 2.2, 2.3; any F and B costs
+    # total time (v m + p - 1)(F + B), so idle/busy = (p - 1)/(v m): Narayanan et al.'s figure
+    # (they divide by the ideal time)
+    "interleaved": lambda p, m, v: (p - 1) / (v * m + p - 1),
+    # F = B = W = 1 per chunk, m >= 2p - 1: each device works 6m ticks without a gap from
+    # tick d; back to back, 0
+    "v": lambda p, m, v: (p - 1) / (6 * m + p - 1),
+}
+IN_FLIGHT: dict[str, Callable[[int, int, int], float]] = {
+    # microbatches whose activations the first stage holds at its peak, in whole stages
+    "one": lambda p, m, v: 1,
+    "all": lambda p, m, v: m,
+    "p": lambda p, m, v: min(m, p),            # p warm-up forwards (the V: 2p chunks of half a stage)
+    "2p-1": lambda p, m, v: min(m, 2 * p - 1),  # 2p - 1 warm-up forwards
+    # Narayanan et al. 2021: at most m v chunks of 1/v stage
+    "interleaved": lambda p, m, v: min(p * (1 + (p - 1) / (p * v)), m),
+}
+
+
 def bubble(name: str, p: int, m: int, v: int = 1) -> float:
-    """Idle time / total time of jaxpar's `name` table with the default costs:
-      naive        (p-1)/p: one microbatch at a time, m > 1 is gradient accumulation;
-      gpipe, 1f1b  (p-1)/(m+p-1) (lecture 2.2, 2.3), for any F and B costs;
-      interleaved  (p-1)/(v*m+p-1): total time (v*m+p-1)(F+B), i.e. idle/busy = (p-1)/(v*m),
-                   Narayanan et al.'s figure (they divide by the ideal time);
-      dualpipe-v   (p-1)/(6m+p-1) at F=B=W=1, m >= 2p-1: each device works 6m ticks without
-                   a gap from tick d; back to back, 0."""
-    forms = {"naive": lambda: (p - 1) / p, "gpipe": lambda: (p - 1) / (m + p - 1),
-             "1f1b": lambda: (p - 1) / (m + p - 1), "interleaved": lambda: (p - 1) / (v * m + p - 1),
-             "dualpipe-v": lambda: (p - 1) / (6 * m + p - 1)}
-    if name not in forms:
-        raise ConfigError(f"no closed-form bubble for {name!r}: one of {', '.join(forms)} (the others are read "
-                          "off their tables: schedule.make(name, ...).bubble_fraction)")
-    return forms[name]()
+    """Idle time / total time of jaxpar's `name` table with the default costs: the form
+    of BUBBLES its registry entry names (`orders.Kind.bubble`). The zero-bubble schedules
+    have none: their figures are read off their tables."""
+    form = orders.REGISTRY[name].bubble if name in orders.REGISTRY else None
+    if form is None:
+        with_form = [n for n, kind in orders.REGISTRY.items() if kind.bubble]
+        raise ConfigError(f"no closed-form bubble for {name!r}: one of {', '.join(with_form)} (the others are "
+                          "read off their tables: schedule.make(name, ...).bubble_fraction)")
+    return BUBBLES[form](p, m, v)
+
+
+def in_flight(name: str, *, p: int, m: int, v: int = 1) -> float:
+    """Microbatches whose activations the first stage holds at its peak, in units of a
+    whole stage's activations: the form of IN_FLIGHT its registry entry names
+    (`orders.Kind.in_flight`). `memory.activations.first_stage_bytes` takes it."""
+    for what, value in (("p", p), ("m", m), ("v", v)):
+        errors.whole(what, value)
+    if name not in orders.REGISTRY:
+        raise ConfigError(f"unknown schedule {name!r}: one of {', '.join(orders.REGISTRY)}")
+    return float(IN_FLIGHT[orders.REGISTRY[name].in_flight](p, m, v))
 
 
 def _rows(batch_size, features, dp, m) -> int:

@@ -3,8 +3,10 @@ one registry that says everything else about a schedule name.
 
 A generator returns one list of `Action`s per device; `schedule.make` looks the name up
 in `REGISTRY` (its order, whether the backward is split, the chunk layout, the default
-chunks, its label, the sizes it needs) and times the lists into a `Schedule`. Nothing
-else lists schedule names. The orders are the published ones: GPipe (Huang et al. 2019), 1F1B /
+chunks, its label, the sizes it needs) and times the lists into a `Schedule`; the
+formulas, the memory model's callers, the planner and the CLI read the rest of what they
+say about a schedule (its closed forms, its chunks) here too. Nothing else lists schedule
+names. The orders are the published ones: GPipe (Huang et al. 2019), 1F1B /
 PipeDream-Flush (Narayanan et al. 2021), Megatron's interleaved 1F1B (Narayanan et al.
 2021, virtual stage = chunk*p + device) and the handcrafted ZB-H1 / ZB-H2 of Qi et al.
 2023 ("Zero Bubble Pipeline Parallelism"), whose backward is split into B (input
@@ -234,28 +236,42 @@ def _needs_v(name: str, p: int, m: int, v: int) -> None:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Kind:
     """Everything about one schedule name: its device programs, its label, whether its
-    backward is split into B and W, the layout of its chunks over the model, its default
-    chunks per device, and the check of (stages, microbatches, chunks) it needs."""
+    backward is split into B and W, the layout of its chunks over the model, its chunks
+    per device, the check of (stages, microbatches, chunks) it needs, and the closed forms
+    the formulas give for it (pipeline/formulas.py keeps the forms, by these names)."""
 
     name: str
     label: str
     order: Callable[[int, int, int], list[list[Action]]]
     split_backward: bool = False
     layout: str = "interleaved"   # stage = chunk*p + device; "v": down the devices and back up
-    chunks: int = 1
+    chunks: int = 1               # chunks per device, the default where the caller picks them
+    takes_chunks: bool = False    # the caller picks the chunks (>= 2); otherwise always `chunks`
     requires: Callable[[str, int, int, int], None] = _one_chunk
+    bubble: str | None = None     # its closed-form bubble (formulas.BUBBLES); None: only the table's
+    in_flight: str = "p"          # microbatches the first stage holds at its peak (formulas.IN_FLIGHT)
+    chunked: str | None = None    # the schedule that runs this order over v > 1 chunks per device
 
 
 REGISTRY: dict[str, Kind] = {k.name: k for k in (
-    Kind(name="naive", label="naive", order=naive),
-    Kind(name="gpipe", label="GPipe", order=gpipe),
-    Kind(name="1f1b", label="1F1B", order=one_f_one_b),
-    Kind(name="interleaved", label="interleaved 1F1B", order=interleaved, chunks=2, requires=_needs_interleaved),
+    Kind(name="naive", label="naive", order=naive, bubble="one at a time", in_flight="one"),
+    Kind(name="gpipe", label="GPipe", order=gpipe, bubble="fill-drain", in_flight="all"),
+    Kind(name="1f1b", label="1F1B", order=one_f_one_b, bubble="fill-drain", chunked="interleaved"),
+    Kind(name="interleaved", label="interleaved 1F1B", order=interleaved, chunks=2, takes_chunks=True,
+         requires=_needs_interleaved, bubble="interleaved", in_flight="interleaved"),
     Kind(name="zb-h1", label="ZB-H1", order=zb_h1, split_backward=True, requires=_needs_m_ge_p),
-    Kind(name="zb-h2", label="ZB-H2", order=zb_h2, split_backward=True, requires=_needs_m_ge_p),
+    Kind(name="zb-h2", label="ZB-H2", order=zb_h2, split_backward=True, requires=_needs_m_ge_p, in_flight="2p-1"),
     Kind(name="dualpipe-v", label="DualPipe-V", order=dualpipe_v, split_backward=True, layout="v", chunks=2,
-         requires=_needs_v),
+         requires=_needs_v, bubble="v"),
 )}
+# The lecture's schedule: the default of `jaxpar train`, `jaxpar memory` and the planner,
+# which runs it in chunks (its `chunked` schedule) when it picks v > 1.
+DEFAULT = "1f1b"
+
+
+def names(**facts) -> list[str]:
+    """The names whose Kind has these field values, in registry order: names(split_backward=True)."""
+    return [name for name, kind in REGISTRY.items() if all(getattr(kind, k) == v for k, v in facts.items())]
 
 
 def lookup(name: str) -> Kind:

@@ -325,11 +325,12 @@ def make(name: str, stages: int, microbatches: int, chunks: int | None = None,
          costs: Mapping[str, int] | None = None) -> Schedule:
     """Build, simulate and validate a named schedule (a name of `orders.REGISTRY`).
 
-    chunks: model chunks per device, interleaved only (default 2 there, 1 elsewhere).
+    chunks: model chunks per device, for a schedule that takes them (`Kind.takes_chunks`;
+    default `Kind.chunks`).
     costs: ticks per kind, overriding F=1, B=2 (F=B=W=1 for the split ones, SPLIT).
-    Bad input (p, m or v not a whole number >= 1 (True, 2.0, "4") or past any machine,
-    interleaved m not a multiple of p, zero-bubble m < p, dualpipe-v m < 2p-1, an unknown
-    name, a bad cost) raises ConfigError naming the value and how to fix it."""
+    Bad input (p, m or v not a whole number >= 1 (True, 2.0, "4") or past any machine, sizes
+    the schedule refuses (`Kind.requires`), an unknown name, a bad cost) raises ConfigError
+    naming the value and how to fix it."""
     kind = orders.lookup(name)
     chunks = kind.chunks if chunks is None else chunks
     check_sizes(stages, microbatches, chunks)

@@ -11,7 +11,8 @@ recompute) with tp*pp*dp*cp = GPUs is estimated (`evaluate`):
   compute   tokens x (6 x active params + 6 x layers x hidden x seq, causal attention)
             / (GPUs x peak x mfu); full recompute adds a forward (x 4/3), selective the
             attention's forward;
-  bubble    `pipeline.formulas.bubble` of the schedule (1F1B, or interleaved with chunks);
+  bubble    `pipeline.formulas.bubble` of the schedule (`orders.DEFAULT`, 1F1B, or its
+            chunked form with chunks);
   TP        per layer and microbatch, the bytes of `tensor.formulas.tp_block_collectives`
             (forward + backward; + a forward with full recompute) on the ring, 2(t-1)/t of
             each all-reduce, over NVLink when tp fits a node, else the inter-node link;
@@ -22,9 +23,10 @@ recompute) with tp*pp*dp*cp = GPUs is estimated (`evaluate`):
   step      (compute + TP + EP + PP) / (1 - bubble) + DP: no overlap, a rough model.
 
 Rejected: a tp that splits neither heads nor KV heads, a pp larger than the layers, a
-batch that does not split into dp x microbatch sequences, m < p (or m not a multiple of
-p for interleaved), a sequence cp (and tp with SP) does not split, an ep that does not
-divide dp or the experts, and memory above the accelerator's. `Estimate.reasons` says why.
+batch that does not split into dp x microbatch sequences, m < p, the sizes the schedule
+itself refuses (its registry entry's `requires`: m a multiple of p when interleaved), a
+sequence cp (and tp with SP) does not split, an ep that does not divide dp or the
+experts, and memory above the accelerator's. `Estimate.reasons` says why.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.expert import formulas as expert_formulas
 from jaxpar.memory import activations, states
 from jaxpar.pipeline import formulas as pipeline_formulas
+from jaxpar.pipeline import orders
 from jaxpar.planner.catalog import Accelerator, Model
 from jaxpar.tensor import formulas as tensor_formulas
 
@@ -75,7 +78,9 @@ class Candidate:
 
     @property
     def schedule(self) -> str:
-        return "interleaved" if self.chunks > 1 else "1f1b"
+        """The lecture's schedule (`orders.DEFAULT`), or its chunked form with chunks > 1."""
+        kind = orders.REGISTRY[orders.DEFAULT]
+        return kind.chunked if self.chunks > 1 else kind.name
 
     def label(self) -> str:
         extra = "".join(f" {k}={v}" for k, v in (("cp", self.cp), ("ep", self.ep), ("v", self.chunks)) if v > 1)
@@ -165,8 +170,10 @@ def evaluate(model: Model, cluster: Cluster, cand: Candidate, *, tokens, seq: in
     m = n_seq // (c.dp * c.microbatch) if c.dp * c.microbatch else 0
     if c.pp > 1 and m < c.pp:
         reasons.append(f"m = {m} microbatches < p = {c.pp} (the pipeline never fills)")
-    if c.chunks > 1 and m % c.pp:
-        reasons.append(f"interleaved needs m = {m} to be a multiple of p = {c.pp}")
+    try:
+        orders.REGISTRY[c.schedule].requires(c.schedule, c.pp, m, c.chunks)
+    except ConfigError as e:
+        reasons.append(str(e))
     if seq % (c.cp * c.tp):
         reasons.append(f"seq={seq} does not split into cp x tp = {c.cp * c.tp} (context and sequence parallel)")
     if model.experts and (c.dp % c.ep or model.experts % c.ep):
@@ -179,8 +186,8 @@ def evaluate(model: Model, cluster: Cluster, cand: Candidate, *, tokens, seq: in
     st = states.state_bytes(dense=model.dense_params, experts=model.expert_params, tp=c.tp, pp=c.pp, dp=c.dp,
                             ep=c.ep, zero=zero)
     act = activations.first_stage_bytes(block(model, activation_model), layers=model.layers, seq=seq, batch=c.microbatch, tp=c.tp,
-                                        sp=c.tp > 1, cp=c.cp, recompute=c.recompute, pp=c.pp, schedule=c.schedule,
-                                        microbatches=m, chunks=c.chunks)
+                                        sp=c.tp > 1, cp=c.cp, recompute=c.recompute, pp=c.pp,
+                                        in_flight=pipeline_formulas.in_flight(c.schedule, p=c.pp, m=m, v=c.chunks))
     memory = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": act}
     memory["total"] = sum(memory.values())
     if memory["total"] > gpu.memory:

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from jaxpar.errors import ConfigError
 from jaxpar.memory import activations as A
 from jaxpar.memory import states as S
+from jaxpar.pipeline.formulas import in_flight
 
 GPT3 = A.Block(hidden=12288, heads=96)
 
@@ -59,12 +60,14 @@ def test_modern_blocks_constants():
 
 
 def test_in_flight_and_first_stage():
-    assert A.in_flight("gpipe", p=8, m=64) == 64 and A.in_flight("1f1b", p=8, m=64) == 8
-    assert A.in_flight("interleaved", p=4, m=8, v=2) == 5.5   # 11 chunks of half a stage (the runtime's plan)
-    assert A.in_flight("zb-h2", p=4, m=8) == 7 and A.in_flight("naive", p=4, m=8) == 1
+    assert in_flight("gpipe", p=8, m=64) == 64 and in_flight("1f1b", p=8, m=64) == 8
+    assert in_flight("interleaved", p=4, m=8, v=2) == 5.5   # 11 chunks of half a stage (the runtime's plan)
+    assert in_flight("zb-h2", p=4, m=8) == 7 and in_flight("naive", p=4, m=8) == 1
+    assert in_flight("zb-h1", p=4, m=2) == 2 and in_flight("dualpipe-v", p=4, m=8, v=2) == 4   # 2p half-stage chunks
     one = A.layer_bytes(GPT3, seq=2048, tp=8, sp=True)
-    assert A.first_stage_bytes(GPT3, layers=96, seq=2048, tp=8, sp=True, pp=8, microbatches=64) == pytest.approx(
-        12 * one * 8)
+    assert A.first_stage_bytes(GPT3, layers=96, seq=2048, tp=8, sp=True, pp=8,
+                               in_flight=in_flight("1f1b", p=8, m=64)) == pytest.approx(12 * one * 8)
+    assert A.first_stage_bytes(GPT3, layers=96, seq=2048) == A.layer_bytes(GPT3, seq=2048) * 96   # one in flight
 
 
 def test_states_and_zero():
@@ -82,7 +85,8 @@ def test_states_and_zero():
     (lambda: A.layer_bytes(GPT3, seq=2048, cp=3), "seq=2048 is not divisible by cp=3"),
     (lambda: A.layer_bytes(GPT3, seq=100, tp=8, sp=True), "not divisible by tp x cp = 8"),
     (lambda: A.Block(hidden=64, heads=6, kv_heads=4), "heads=6 is not a multiple of kv_heads=4"),
-    (lambda: A.in_flight("pipedream", p=2, m=2), "unknown schedule 'pipedream'"),
+    (lambda: in_flight("pipedream", p=2, m=2), "unknown schedule 'pipedream'"),
+    (lambda: A.first_stage_bytes(GPT3, layers=96, seq=2048, in_flight=0), "in_flight=0: must be > 0"),
     (lambda: S.state_bytes(dense=1e9, zero=4), "ZeRO stage 0, 1, 2 or 3"),
     (lambda: S.state_bytes(dense=1, experts=1, dp=6, ep=4), "dp=6 is not divisible by ep=4"),
 ])

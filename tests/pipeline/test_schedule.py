@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxpar.pipeline import schedule as S
-from jaxpar.pipeline import formulas
+from jaxpar.pipeline import formulas, orders
 from jaxpar.pipeline.verify import LECTURE_TIMELINES
 from jaxpar.pipeline.viz import percent
 from tests.oracles import FAST, bubble, check_dependencies
@@ -214,3 +214,32 @@ def test_interleaved_ascii_shows_chunks():
 
 def test_w_renders_uppercase():
     assert "A" in S.make("zb-h1", 2, 2).ascii().splitlines()[1]
+
+
+# ---- the registry's closed forms against the tables -------------------------------------
+
+
+def test_every_registry_closed_form_matches_the_table():
+    """Each schedule's registry entry names its bubble and in-flight forms (formulas.py
+    keeps them): the form equals the table's figure at every size the schedule takes
+    (p <= 5, m <= 16), and a schedule without a bubble form is refused by name."""
+    checked = 0
+    for name, kind in orders.REGISTRY.items():
+        assert kind.in_flight in formulas.IN_FLIGHT and kind.bubble in (None, *formulas.BUBBLES), name
+        for p in range(1, 6):
+            for m in range(1, 17):
+                for v in ((2, 3) if kind.takes_chunks else (None,)):
+                    try:
+                        s = S.make(name, p, m, v)
+                    except ValueError:
+                        continue
+                    # the first stage's peak, in whole stages (v chunk-sized microbatches each)
+                    assert formulas.in_flight(name, p=p, m=m, v=s.chunks) == pytest.approx(
+                        max(s.peak_activations) / s.chunks), (name, p, m, v)
+                    if kind.bubble is not None:
+                        assert formulas.bubble(name, p, m, s.chunks) == pytest.approx(float(bubble(s))), (name, p, m)
+                    checked += 1
+    assert checked > 300
+    with pytest.raises(ValueError, match="no closed-form bubble for 'zb-h1': one of naive, gpipe, 1f1b, interleaved"):
+        formulas.bubble("zb-h1", 4, 8)
+    assert orders.REGISTRY[orders.DEFAULT].chunked in orders.REGISTRY

@@ -50,7 +50,7 @@ def test_the_scan_finds_a_late_import(tmp_path):
 
 @pytest.mark.parametrize("module", ["jaxpar.pipeline.schedule", "jaxpar.pipeline.formulas", "jaxpar.pipeline.plan",
                                     "jaxpar.tensor.formulas", "jaxpar.context.formulas", "jaxpar.context.zigzag",
-                                    "jaxpar.expert.formulas", "jaxpar.memory.activations", "jaxpar.memory.states",
+                                    "jaxpar.expert.formulas", "jaxpar.data.formulas", "jaxpar.memory.activations", "jaxpar.memory.states",
                                     "jaxpar.planner.search", "jaxpar.planner.exercises", "jaxpar.cli.plan",
                                     "jaxpar.comms", "jaxpar.errors", "jaxpar.lazy", "jaxpar.cli.main"])
 def test_pure_python_parts_start_without_jax(module):

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 CHECKS: dict[str, str] = {
     "reference": "jaxpar.verify:check_reference",
     "comms": "jaxpar.verify:check_comms",
+    "dp": "jaxpar.data.verify:check_dp",
     "schedule": "jaxpar.pipeline.verify:check_schedules",
     "pp": "jaxpar.pipeline.verify:check_runtime",
     "tp": "jaxpar.tensor.verify:check_tp",

@@ -10,9 +10,9 @@ Inside the one shard_map, on every device:
      are the composed blocks of `model.py` (TP/SP over tp, ring or Ulysses over cp, the
      MoE over ep), the vocab-parallel embedding on the first stage and the LM head and
      cross-entropy on the last;
-  2. one gradient reduction: each weight's gradient summed over the batch axes
-     (dp, ep, cp) its spec does not split; the embedding's and the head's also over pp
-     (only their stage's device holds a nonzero one). Under ZeRO-1 the dp part of the
+  2. one gradient reduction (`jaxpar.data`): each weight's gradient summed over the
+     batch axes (dp, ep, cp) its spec does not split; the embedding's and the head's also
+     over pp (only their stage's device holds a nonzero one). Under ZeRO-1 the dp part of the
      sum is a reduce-scatter instead: each dp rank gets its dp-th of the gradient
      (along one dimension its shard divides), updates that dp-th of the weight with its
      dp-th of the optimizer state, and an all-gather over dp rebuilds the weight;
@@ -41,9 +41,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import reference
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import DP, PP, TP
+from jaxpar.data import zero
+from jaxpar.data.reduce import reduce_gradients
+from jaxpar.mesh import PP, TP
 from jaxpar.pipeline import runtime
-from jaxpar.pipeline.stage import from_stages, spec_axes, to_stages
+from jaxpar.pipeline.stage import from_stages, to_stages
 from jaxpar.train import balance
 from jaxpar.train import model as model_lib
 from jaxpar.train import optim as optim_lib
@@ -69,27 +71,10 @@ def join(tree: dict) -> dict:
     return {"embed": tree["first"]["embed"], "blocks": tree["blocks"], **tree["last"]}
 
 
-def _zero_dim(local_shape: tuple[int, ...], dp: int, skip: int) -> int:
-    """The dimension a ZeRO-1 leaf is split over dp along: the largest local dimension
-    (after the first `skip`) dp divides; -1 when none does (the state stays whole)."""
-    best = -1
-    for d in range(skip, len(local_shape)):
-        if local_shape[d] % dp == 0 and (best < 0 or local_shape[d] > local_shape[best]):
-            best = d
-    return best
-
-
 def _with_unit(spec: P) -> P:
     """spec with pp (of size 1) added to its first dimension."""
     e = spec[0] if len(spec) else None
     return P(PP if e is None else (*(e if isinstance(e, tuple) else (e,)), PP), *spec[1:])
-
-
-def _with_dp(spec: P, dim: int, ndim: int) -> P:
-    entries = list(spec) + [None] * (ndim - len(spec))
-    e = entries[dim]
-    entries[dim] = DP if e is None else (*(e if isinstance(e, tuple) else (e,)), DP)
-    return P(*entries)
 
 
 @dataclasses.dataclass(eq=False)
@@ -168,20 +153,14 @@ class Trainer:
         return {**tree, "blocks": to_stages(tree["blocks"], self.schedule)}
 
     def _plan_zero(self):
-        """Per leaf: the dimension ZeRO-1 splits its optimizer state along (None: whole)."""
-        dp, is_p = self.spec.dp, lambda x: isinstance(x, P)
-        local = lambda shape, spec: tuple(
-            n // math.prod(self.mesh.shape[a] for a in spec_axes(P(e))) if e is not None else n
-            for n, e in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))))
-        if self.spec.zero and dp > 1:
-            dims = {k: jax.tree.map(lambda a, s, k=k: _zero_dim(local(a.shape, s), dp, 1 if k == "blocks" else 0),
-                                    self.shapes[k], self.param_specs[k]) for k in self.shapes}
+        """Per leaf: the dimension ZeRO-1 splits its optimizer state along over dp (-1:
+        whole; `data.zero.plan`, never the blocks' pp dimension), and the state's specs."""
+        if self.spec.zero:
+            self.zero_dims = {k: zero.plan(self.shapes[k], self.param_specs[k], sizes=self.mesh.shape,
+                                           skip=1 if k == "blocks" else 0) for k in self.shapes}
         else:
-            dims = jax.tree.map(lambda _: -1, self.shapes)
-        self.zero_dims = dims
-        self.state_param_specs = jax.tree.map(
-            lambda s, d, a: s if d < 0 else _with_dp(s, d, a.ndim), self.param_specs, dims, self.shapes,
-            is_leaf=is_p)
+            self.zero_dims = jax.tree.map(lambda _: -1, self.shapes)
+        self.state_param_specs = zero.state_pspecs(self.param_specs, self.zero_dims, self.shapes)
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -190,28 +169,16 @@ class Trainer:
         m, tx, clip = self.schedule.microbatches, self.tx, self.optim.clip
         batch_axes = req.batch_axes
         pp = (PP,) if self.spec.pp > 1 else ()
-        zero_dims = self.zero_dims
-        dp_split = self.spec.zero and self.spec.dp > 1
+        zero_dims, sharded_state = self.zero_dims, bool(self.spec.zero)
         cfg, balancing, tp = self.cfg, balance.enabled(self.cfg), self.spec.tp
         stats_axes = batch_axes + ((TP,) if tp > 1 else ())
         shards = math.prod(self.mesh.shape[a] for a in batch_axes)
 
-        def reduce(g, spec, dim, extra):
-            over = tuple(a for a in batch_axes if a not in spec_axes(spec)) + extra
-            if dim < 0:
-                return jax.lax.psum(g, over) if over else g
-            rest = tuple(a for a in over if a != DP)
-            g = jax.lax.psum(g, rest) if rest else g
-            return jax.lax.psum_scatter(g, DP, scatter_dimension=dim, tiled=True)
-
-        def mine(a, dim):       # this dp rank's part of a weight (ZeRO-1)
-            if dim < 0:
-                return a
-            n = a.shape[dim] // self.spec.dp
-            return jax.lax.dynamic_slice_in_dim(a, jax.lax.axis_index(DP) * n, n, axis=dim)
-
-        def gather(a, dim):
-            return a if dim < 0 else jax.lax.all_gather(a, DP, axis=dim, tiled=True, to="invarying")
+        def reduce(grads, specs, dims, extra):
+            """Data parallelism's one reduction (under ZeRO-1 its dp part a reduce-scatter)."""
+            if sharded_state:
+                return zero.reduce_scatter_gradients(grads, specs, dims, batch_axes=batch_axes, extra=extra)
+            return reduce_gradients(grads, specs, batch_axes=batch_axes, extra=extra)
 
         def per_device(state, inputs, targets):
             params = state.params
@@ -230,14 +197,14 @@ class Trainer:
             over = batch_axes + pp
             loss = jax.lax.psum(loss, over) if over else loss
             grads = {"blocks": jax.tree.map(lambda a: a[None], g_blocks), "first": g_first, "last": g_last}
-            grads = {k: jax.tree.map(lambda g, s, d, k=k: reduce(g, s, d, () if k == "blocks" else pp),
-                                     grads[k], self.param_specs[k], zero_dims[k]) for k in grads}
+            grads = {k: reduce(grads[k], self.param_specs[k], zero_dims[k], () if k == "blocks" else pp)
+                     for k in grads}
             norm = optim_lib.global_norm(grads)
             grads = optim_lib.clip(grads, norm, clip)
-            own = jax.tree.map(mine, params, zero_dims) if dp_split else params
+            own = zero.slice_params(params, zero_dims) if sharded_state else params       # ZeRO-1: a dp-th
             updates, opt = tx.update(grads, state.opt, own)
             new = optax.apply_updates(own, updates)
-            new = jax.tree.map(gather, new, zero_dims) if dp_split else new
+            new = zero.gather_params(new, zero_dims) if sharded_state else new
             if balancing:
                 new = balance.update_bias(new, params, load, cfg)
             lr = self.optim.schedule()(state.step)

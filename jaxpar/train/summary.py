@@ -21,78 +21,62 @@ ring or Ulysses over cp, the MoE's all-to-alls over ep and its router under tp).
 
 from __future__ import annotations
 
-import math
 import os
 
-import jax
 import jax.numpy as jnp
 
 from jaxpar import comms
+from jaxpar.data import formulas as data_formulas
+from jaxpar.data.reduce import weights
+from jaxpar.expert import formulas as ep_formulas
 from jaxpar.mesh import DP, PP
 from jaxpar.pipeline import formulas as pipe_formulas
 from jaxpar.pipeline.plan import LANE_SCOPES
-from jaxpar.pipeline.stage import spec_axes
-from jaxpar.expert import formulas as ep_formulas
 from jaxpar.train import formulas as train_formulas
 
 
-def _sizes(trainer, axes) -> int:
-    return math.prod(trainer.mesh.shape[a] for a in axes)
+def _weights(trainer) -> list:
+    """Every weight as data parallelism's formulas see it (`data.reduce.weights`): the
+    embedding's and the head's gradients also summed over pp."""
+    pp = (PP,) if trainer.spec.pp > 1 else ()
+    return [w for kind in ("blocks", "first", "last")
+            for w in weights(trainer.shapes[kind], trainer.param_specs[kind], sizes=trainer.mesh.shape,
+                             extra=() if kind == "blocks" else pp, zero_dims=trainer.zero_dims[kind])]
 
 
 def expected_reductions(trainer) -> dict[int, float]:
-    """{group size: bytes} of the step's all-reduces outside the pipeline loop: each
-    weight's gradient over the batch axes its spec does not split (the embedding's and
-    the head's also over pp), the loss, and the norm's one scalar per weight (over the
-    axes it is split over). Under ZeRO-1 the dp part of a split weight's sum is the
-    reduce-scatter and all-gather of `expected_zero`."""
-    req, spec = trainer.local.request, trainer.spec
-    batch_axes, pp = req.batch_axes, ((PP,) if spec.pp > 1 else ())
-    out: dict[int, float] = {}
+    """{group size: bytes} of the step's all-reduces outside the pipeline loop: the
+    gradients' (`data.formulas.reduction_bytes`: each over the batch axes its spec does
+    not split, the embedding's and the head's also over pp; under ZeRO-1 the dp part is
+    `expected_zero`'s), the norm's one scalar per weight (over the axes it is split over,
+    and dp under ZeRO-1), the loss, and load balancing's statistics."""
+    spec, sizes = trainer.spec, trainer.mesh.shape
+    batch_axes, pp = trainer.local.request.batch_axes, ((PP,) if spec.pp > 1 else ())
+    found = _weights(trainer)
+    out = data_formulas.reduction_bytes(found, sizes=sizes, batch_axes=batch_axes)
 
     def add(axes, nbytes):
-        axes = tuple(a for a in axes if trainer.mesh.shape[a] > 1)
-        if axes:
-            n = _sizes(trainer, axes)
+        n = data_formulas.group_size(axes, sizes)
+        if n > 1:
             out[n] = out.get(n, 0.0) + nbytes
 
-    local = jax.tree.map(lambda a, s: _local_bytes(trainer, a, s), trainer.shapes, trainer.param_specs)
-    for kind in ("blocks", "first", "last"):
-        extra = () if kind == "blocks" else pp
-        for nbytes, s, d, a in zip(jax.tree.leaves(local[kind]), jax.tree.leaves(trainer.param_specs[kind]),
-                                   jax.tree.leaves(trainer.zero_dims[kind]), jax.tree.leaves(trainer.shapes[kind])):
-            over = tuple(x for x in batch_axes if x not in spec_axes(s)) + extra
-            if d >= 0:
-                over = tuple(x for x in over if x != DP)
-            add(over, nbytes)
-            split = tuple(x for x in spec_axes(s) if trainer.mesh.shape[x] > 1) + ((DP,) if d >= 0 else ())
-            add(split, jnp.dtype(a.dtype).itemsize)          # the norm: one scalar per weight
-    add(batch_axes + pp, jnp.dtype(trainer.dtype).itemsize)  # the loss
+    for w in found:
+        add(w.split + ((DP,) if w.zero else ()), w.itemsize)      # the norm: one scalar per weight
+    add(batch_axes + pp, jnp.dtype(trainer.dtype).itemsize)       # the loss
     cfg = trainer.cfg
     if cfg.n_experts:   # load balancing's statistics of this device's layers, once a step
-        sizes = {a: trainer.mesh.shape[a] for a in ("dp", "ep", "cp", "tp")}
         balance = ep_formulas.balance_reduction(cfg=cfg, layers=cfg.n_layers // spec.pp, dtype=trainer.dtype,
-                                                **sizes)
+                                                **{a: sizes[a] for a in ("dp", "ep", "cp", "tp")})
         for n, nbytes in balance.items():
             out[n] = out.get(n, 0.0) + nbytes
     return out
 
 
 def expected_zero(trainer) -> dict[str, float]:
-    """Bytes of ZeRO-1's reduce-scatters and all-gathers over dp (each a weight's local
-    bytes, as the HLO counts an output or input of the whole shard)."""
-    out = {"reduce-scatter": 0.0, "all-gather": 0.0}
-    local = jax.tree.map(lambda a, s: _local_bytes(trainer, a, s), trainer.shapes, trainer.param_specs)
-    for nbytes, d in zip(jax.tree.leaves(local), jax.tree.leaves(trainer.zero_dims)):
-        if d >= 0:
-            out["reduce-scatter"] += nbytes
-            out["all-gather"] += nbytes
-    return out
-
-
-def _local_bytes(trainer, a, spec) -> int:
-    n = math.prod(a.shape) // _sizes(trainer, spec_axes(spec))
-    return n * jnp.dtype(a.dtype).itemsize
+    """Bytes of ZeRO-1's reduce-scatters and all-gathers over dp
+    (`data.formulas.zero_bytes`: each a weight's local bytes, as the HLO counts an
+    output or input of the whole shard)."""
+    return data_formulas.zero_bytes(_weights(trainer), dp=trainer.spec.dp)
 
 
 def stage_collectives(trainer, ops, device: int) -> comms.Collectives:

@@ -72,8 +72,8 @@ def test_registry_lists_exactly_what_exists():
         module, _, func = target.partition(":")
         assert module.startswith("jaxpar.") and module.endswith("verify") and func.isidentifier(), name
         assert callable(tour.load(name)), name
-    assert list(tour.CHECKS) == ["reference", "comms", "schedule", "pp", "tp", "sp", "cp", "ulysses", "ep", "pp-tp", "memory", "plan",
-                                 "train"]
+    assert list(tour.CHECKS) == ["reference", "comms", "dp", "schedule", "pp", "tp", "sp", "cp", "ulysses", "ep",
+                                 "pp-tp", "memory", "plan", "train"]
 
 
 @pytest.fixture

@@ -1,11 +1,13 @@
 """Lecture section 2 (script 01_pipeline_schedules.py): pipeline schedules as data.
 
-    python examples/01_pipeline_schedules.py            # timelines and figures, in a second
+    python examples/01_pipeline_schedules.py            # timelines and figures, in a few seconds
     python examples/01_pipeline_schedules.py --png DIR  # also a timeline PNG per schedule
 
-Each schedule is a table actions[tick][device] built by jaxpar.pipeline.schedule; the
-bubble and the activation memory below are counted from the tables, then put beside the
-lecture's figures and formulas. No JAX: schedules are plain Python.
+Opens with one schedule as the table it is: actions[tick][device], built by
+jaxpar.pipeline.schedule, with its bubble held against the closed form. Every figure
+below is then counted from such tables and put beside the lecture's figures and
+formulas. No JAX: schedules are plain Python. The same checks as one table:
+`jaxpar verify schedule`; one schedule's timeline and figures: `jaxpar schedule NAME -p P -m M`.
 """
 
 import argparse
@@ -13,13 +15,36 @@ import pathlib
 
 from jaxpar.pipeline import schedule
 from jaxpar.pipeline.formulas import bubble
-from jaxpar.pipeline.verify import LECTURE_TIMELINES
 from jaxpar.pipeline.viz import percent
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--png", metavar="DIR", help="write one timeline PNG per schedule into DIR")
 args = parser.parse_args()
 shown = []
+
+# A schedule is data: actions[tick][device] is the Action (kind F, B or W; microbatch;
+# chunk) that starts on that device at that tick, or None (idle). F takes 1 tick, B 2.
+s = schedule.make("1f1b", stages=4, microbatches=8)
+name = lambda a: "." if a is None else f"{a.kind}{a.microbatch}"
+print("== A schedule is a table: 1F1B, p=4 stages, m=8 microbatches ==")
+print(f"  actions[10], devices 0..3: {'  '.join(map(name, s.actions[10]))}")
+print("  device 0's own order: " + ", ".join(f"{name(a)} at {t}" for t, a in s.program(0)[:6]) + ", ...")
+print(f"  {len(s.actions)} ticks; bubble {percent(s.bubble_fraction)} = (p-1)/(m+p-1) = "
+      f"{percent(bubble('1f1b', 4, 8))}; {len(s.sends)} sends between devices "
+      f"(first: device {s.sends[0].src} -> {s.sends[0].dst} at tick {s.sends[0].tick})\n")
+
+# The lecture's section 2.1-2.3 timelines as it prints them (p=4, F=1, B=2), with its bubble
+# figures (rounded to 0.1%) and 1F1B's peak activations.
+LECTURE = {
+    "naive": {"microbatches": 1, "bubble": 0.75, "peak": None, "rows": [
+        "0.........aa", ".0......aa..", "..0...aa....", "...0aa......"]},
+    "gpipe": {"microbatches": 8, "bubble": 0.273, "peak": None, "rows": [
+        "01234567.........aabbccddeeffgghh", ".01234567......aabbccddeeffgghh..",
+        "..01234567...aabbccddeeffgghh....", "...01234567aabbccddeeffgghh......"]},
+    "1f1b": {"microbatches": 8, "bubble": 0.273, "peak": [4, 3, 2, 1], "rows": [
+        "0123......aa4bb5cc6dd7ee.ff.gg.hh", ".012....aa3bb4cc5dd6ee7ff.gg.hh..",
+        "..01..aa2bb3cc4dd5ee6ff7gg.hh....", "...0aa1bb2cc3dd4ee5ff6gg7hh......"]},
+}
 
 
 def show(s: schedule.Schedule) -> None:
@@ -29,7 +54,7 @@ def show(s: schedule.Schedule) -> None:
 
 # 2.1-2.3: the lecture's three timelines, p = 4, F = 1, B = 2 (one character per tick).
 print("== Lecture 2.1-2.3: naive, GPipe, 1F1B (p=4) ==\n")
-for name, fig in LECTURE_TIMELINES.items():
+for name, fig in LECTURE.items():
     s = schedule.make(name, stages=4, microbatches=fig["microbatches"])
     show(s)
     same = s.ascii().splitlines()[1:] == [f"  stage {d}: {r}" for d, r in enumerate(fig["rows"])]

@@ -54,8 +54,8 @@ def _batch() -> int:
 
 
 def _inputs(cfg=CFG):
-    p = reference.layer_params(reference.init_params(jax.random.PRNGKey(0), cfg), 0)
-    x = jax.random.normal(jax.random.PRNGKey(1), (_batch(), T, cfg.d_model))
+    p = reference.layer_params(reference.init_params(jax.random.key(0), cfg), 0)
+    x = jax.random.normal(jax.random.key(1), (_batch(), T, cfg.d_model))
     return p, x
 
 

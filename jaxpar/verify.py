@@ -22,7 +22,7 @@ def check_reference() -> list[Result]:
     """reference.attention against jax.nn.dot_product_attention (MHA and GQA, causal and
     not), and the dense MoE against a per-token loop over the chosen experts."""
     results = []
-    key = jax.random.PRNGKey(0)
+    key = jax.random.key(0)
     kq, kk, kv = jax.random.split(key, 3)
     for N, K in ((8, 8), (8, 2)):
         q = jax.random.normal(kq, (2, 16, N, 4))

@@ -382,7 +382,7 @@ def test_model_config_validates(kwargs, match):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_init_params_shapes(name):
     cfg = CONFIGS[name]
-    params = jax.eval_shape(lambda k: ref.init_params(k, cfg), jax.random.PRNGKey(0))  # shapes only
+    params = jax.eval_shape(lambda k: ref.init_params(k, cfg), jax.random.key(0))  # shapes only
     L, D, F, N, K, H, V, E = 2, 32, 64, 8, cfg.n_kv_heads, 4, 64, cfg.n_experts
     ex = (E,) if E else ()
     want = {"embed": (V, D), "final_norm": (D,), "unembed": (D, V),

@@ -151,7 +151,7 @@ def row_split_gelu_error(*, mesh: Mesh, batch_size: int = 16, d_model: int = 64,
                          seed: int = 0) -> float:
     """Max |psum(GeLU(partial sums)) - GeLU(X A)| for X[batch_size, d_model] ~ N(0, 1),
     A ~ N(0, 1/D) (lecture: 0.82)."""
-    kx, ka = jax.random.split(jax.random.PRNGKey(seed))
+    kx, ka = jax.random.split(jax.random.key(seed))
     x = jax.random.normal(kx, (batch_size, d_model))
     a = jax.random.normal(ka, (d_model, d_ff)) / np.sqrt(d_model)
     wrong, _ = row_split_gelu(x, a, mesh=mesh)

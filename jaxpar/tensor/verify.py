@@ -134,7 +134,7 @@ def check_vocab() -> Result:
     cfg = reference.ModelConfig(vocab=16 * tp)
     B, T, D, V = 2 * dp, 8, cfg.d_model, cfg.vocab
     x, gain, unembed, tokens = lm_head_inputs(B, T, D, V)
-    embed = jax.random.normal(jax.random.PRNGKey(5), (V, D))
+    embed = jax.random.normal(jax.random.key(5), (V, D))
     emb, (emb_f, emb_b) = fwd_bwd(lambda e: vocab_parallel_embedding(e, tokens, mesh=m), embed, ct=x)
     y, emb_vjp = jax.vjp(lambda e: e[tokens], embed)
     head, (head_f, head_b) = fwd_bwd(lambda *a: vocab_parallel_lm_loss(*a, tokens, mesh=m, cfg=cfg),

@@ -148,7 +148,7 @@ def test_param_bytes_per_device_are_one_tth():
 
 def test_counterexample_row_split_gelu_is_wrong():
     m = mesh_lib.make_mesh(dp=2, tp=4)
-    kx, ka = jax.random.split(jax.random.PRNGKey(1))
+    kx, ka = jax.random.split(jax.random.key(1))
     x, a = jax.random.normal(kx, (16, 64)), jax.random.normal(ka, (64, 256)) / 8
     wrong, right = tensor.row_split_gelu(x, a, mesh=m)
     expected = jax.nn.gelu(x @ a, approximate=False)
@@ -212,9 +212,9 @@ def test_tp_loss_end_to_end_matches_reference_loss():
     unembed): the vocab-parallel story end to end, on dp=2 x tp=4."""
     cfg = reference.ModelConfig(n_layers=2, n_kv_heads=2, mlp="swiglu")
     m = mesh_lib.make_mesh(dp=2, tp=4)
-    params = reference.init_params(jax.random.PRNGKey(7), cfg)
-    params["final_norm"] = 1 + 0.1 * jax.random.normal(jax.random.PRNGKey(8), (cfg.d_model,))
-    tokens = jax.random.randint(jax.random.PRNGKey(9), (4, T + 1), 0, cfg.vocab)
+    params = reference.init_params(jax.random.key(7), cfg)
+    params["final_norm"] = 1 + 0.1 * jax.random.normal(jax.random.key(8), (cfg.d_model,))
+    tokens = jax.random.randint(jax.random.key(9), (4, T + 1), 0, cfg.vocab)
     ours = jax.jit(jax.value_and_grad(lambda p: tensor.tp_loss(p, tokens, mesh=m, cfg=cfg)))(params)
     assert_close(ours, jax.jit(jax.value_and_grad(lambda p: reference.loss(p, tokens, cfg)))(params))
 
@@ -274,7 +274,7 @@ def test_vocab_shard_functions_at_tp_1():
 
 
 def _params(cfg):
-    return reference.layer_params(reference.init_params(jax.random.PRNGKey(0), cfg), 0)
+    return reference.layer_params(reference.init_params(jax.random.key(0), cfg), 0)
 
 
 @pytest.mark.parametrize("cfg_kw,tp,sp,seq,match", [
@@ -304,7 +304,7 @@ def test_bad_block_inputs_raise_before_compute(change, match):
     MLP kind: a ValueError naming the value, the constraint and a fix."""
     cfg = reference.ModelConfig(mlp=change.get("mlp", "gelu"))
     params_cfg = dataclasses.replace(cfg, mlp=change.get("params_mlp", "gelu"))
-    full = reference.init_params(jax.random.PRNGKey(0), params_cfg)
+    full = reference.init_params(jax.random.key(0), params_cfg)
     params = full if change.get("whole") else full["blocks"] if change.get("stacked") else reference.layer_params(full, 0)
     x = jnp.zeros(change.get("x_shape", (8, 8, cfg.d_model)))
     with pytest.raises(ValueError, match=match):

@@ -48,10 +48,25 @@ from jaxpar.tensor.formulas import block_param_shapes
 from jaxpar.tensor.layers import block_shard
 
 
+def without_axis(specs, axis: str):
+    """A frozen dataclass of PartitionSpecs (TPSpecs, vocab.VocabSpecs) with `axis` taken
+    out of every spec, its dimensions left unsplit."""
+    def drop(spec: P) -> P:
+        entries = []
+        for e in spec:
+            kept = tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a is not None and a != axis)
+            entries.append(kept if len(kept) > 1 else kept[0] if kept else None)
+        return P(*entries)
+    return dataclasses.replace(specs, **{f.name: drop(getattr(specs, f.name)) for f in dataclasses.fields(specs)})
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TPSpecs:
-    """Every PartitionSpec of the tensor-parallel block, in one place (names end in the
-    dimension letters of the array). Build with `TPSpecs.megatron(...)`."""
+    """Megatron's layout of the block: every PartitionSpec of the tensor-parallel block,
+    in one place (names end in the dimension letters of the array). The defaults ARE the
+    layout, over tp devices that divide the KV heads; `named` and `megatron` adapt it to a
+    model and a mesh, and the composed model's partition metadata is read from it
+    (`train.model.partition_names`)."""
 
     attn_norm_d: P = P()            # replicated: tiny, and needed whole by every token
     wq_dnh: P = P(None, TP, None)   # column-parallel: heads split
@@ -65,17 +80,23 @@ class TPSpecs:
     act_btd: P = P(None, None, None)  # block input/output: batch over dp; T over tp with SP
 
     @classmethod
-    def megatron(cls, *, n_kv_heads: int, tp: int, sequence_parallel: bool = False,
-                 data_axis: str | None = None) -> "TPSpecs":
-        """Megatron's layout. With tp = 1 nothing is split (XLA would keep collectives
-        over a size-1 axis)."""
+    def named(cls, *, n_kv_heads: int, tp: int) -> "TPSpecs":
+        """The layout for `n_kv_heads` KV heads on `tp` devices, every tp name kept (also
+        at tp = 1): the KV heads replicated when tp does not divide them (tp > K, each
+        device slices its group's head). What a model's partition metadata states."""
         errors.whole("n_kv_heads", n_kv_heads)
         errors.whole("tp", tp)
-        t = TP if tp > 1 else None
-        kv = P(None, t, None) if n_kv_heads % tp == 0 else P()
-        return cls(wq_dnh=P(None, t, None), wk_dkh=kv, wv_dkh=kv, wo_nhd=P(t, None, None),
-                   w_up_df=P(None, t), w_gate_df=P(None, t), w_down_fd=P(t, None),
-                   act_btd=P(data_axis, t if sequence_parallel else None, None))
+        return cls() if n_kv_heads % tp == 0 else cls(wk_dkh=P(), wv_dkh=P())
+
+    @classmethod
+    def megatron(cls, *, n_kv_heads: int, tp: int, sequence_parallel: bool = False,
+                 data_axis: str | None = None) -> "TPSpecs":
+        """Megatron's layout on a mesh: `named`, the activations' batch over `data_axis`
+        and, with sequence_parallel, their tokens over tp. With tp = 1 nothing is split
+        (XLA would keep collectives over a size-1 axis)."""
+        specs = cls.named(n_kv_heads=n_kv_heads, tp=tp)
+        specs = specs if tp > 1 else without_axis(specs, TP)
+        return dataclasses.replace(specs, act_btd=P(data_axis, TP if sequence_parallel and tp > 1 else None, None))
 
     def params(self, p: dict) -> dict:
         """The in_specs for a block's param dict (the keys it has)."""
@@ -128,7 +149,8 @@ def validate_tp(cfg: reference.ModelConfig, tp: int, *, seq_len: int | None = No
     """Refuse (ConfigError, naming the constraint and a fix) a `cfg` that cannot be split `tp` ways."""
     if cfg.n_experts:
         raise ConfigError(f"tp_block runs dense MLP blocks; n_experts={cfg.n_experts} is an MoE block. "
-                          "Fix: n_experts=0 (the expert-parallel MoE is not built yet)")
+                          "Fix: n_experts=0, or expert.ep_moe for the MoE layer (jaxpar.train composes both: "
+                          "the experts over ep, each expert's FFN over tp)")
     if cfg.n_heads % tp:
         raise ConfigError(f"n_heads={cfg.n_heads} is not divisible by tp={tp}: each tp device computes "
                           f"n_heads/tp whole heads. Fix: use tp in ({divisors(cfg.n_heads)}) or change n_heads")

@@ -2,7 +2,8 @@
 (Shoeybi et al. 2019, sec. 3).
 
 The embedding embed[V_tp, D] and the output layer unembed[D, V_tp] are split over the
-vocabulary, so each tp device holds V/t rows/columns and computes V/t of the logits. The
+vocabulary (`VocabSpecs`), so each tp device holds V/t rows/columns and computes V/t of
+the logits. The
 full logits [B, T, V] never exist anywhere: the cross-entropy needs, per token, only the
 max, the sum of exponentials and the target's logit, three [B, T] reductions over tp.
 `tp_loss` composes embedding -> tp_block per layer -> LM head + loss: reference.loss,
@@ -36,6 +37,8 @@ target's logit as the max, finite and wrong, where reference.cross_entropy gives
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,9 +48,28 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import errors, reference
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import DP, TP, axis_size, require_mesh
-from jaxpar.tensor.block import tp_block, validate_batch
+from jaxpar.tensor.block import tp_block, validate_batch, without_axis
 from jaxpar.tensor.layers import column_parallel
 from jaxpar.tensor.ops import copy_to_tp, reduce_from_tp, reduce_scatter_to_sp
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VocabSpecs:
+    """Megatron's vocabulary-parallel layout, in one place (names end in the dimension
+    letters): the embedding's rows and the LM head's columns split over tp, V/tp of the
+    vocabulary per device; the final norm's gain replicated. The defaults ARE the layout;
+    `megatron(tp=)` on a mesh."""
+
+    embed_vd: P = P(TP, None)
+    final_norm_d: P = P()
+    unembed_dv: P = P(None, TP)
+
+    @classmethod
+    def megatron(cls, *, tp: int) -> "VocabSpecs":
+        """The layout on `tp` devices; with tp = 1 nothing is split (XLA would keep
+        collectives over a size-1 axis)."""
+        errors.whole("tp", tp)
+        return cls() if tp > 1 else without_axis(cls(), TP)
 
 
 def _vocab_range(v_local: int, axis: str):
@@ -143,7 +165,8 @@ def vocab_parallel_embedding(embed, tokens, *, mesh: Mesh):
     _ids("tokens", tokens, shape[0])
     data, vocab = _split(shape[0], tokens.shape[0], mesh, "the vocabulary-parallel embedding")
     body = embedding_shard if vocab else (lambda embed, tokens: embed[tokens])
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(vocab, None), P(data)),
+    layout = VocabSpecs.megatron(tp=axis_size(mesh, TP))
+    return jax.shard_map(body, mesh=mesh, in_specs=(layout.embed_vd, P(data)),
                          out_specs=P(data))(embed, tokens)
 
 
@@ -189,7 +212,8 @@ def vocab_parallel_lm_loss(x, final_norm, unembed, targets, *, mesh: Mesh, cfg: 
             loss = reference.cross_entropy(reference.rms_norm(x, g, cfg.norm_eps) @ w, targets)
         return jax.lax.pmean(loss, DP) if data else loss
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(data), P(), P(None, vocab), P(data)),
+    layout = VocabSpecs.megatron(tp=axis_size(mesh, TP))
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(data), layout.final_norm_d, layout.unembed_dv, P(data)),
                          out_specs=P())(x, final_norm, unembed, targets)
 
 

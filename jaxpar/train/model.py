@@ -3,6 +3,7 @@ with partition metadata, and the per-shard functions that run it on a ParallelSp
 
     model = LanguageModel(cfg, key=jax.random.key(0))
     nnx.get_partition_spec(nnx.state(model))   # how each weight is split (flax's own tools)
+    partition_specs(cfg, tp=2)                 # the same, read from a model built abstractly
     model(tokens)                               # logits, unsharded (reference.forward)
     model.params()                              # the plain dict reference.init_params gives
 
@@ -36,50 +37,78 @@ from jaxpar.expert.dispatch import ep_moe_shard
 from jaxpar.expert.router import route
 from jaxpar.mesh import CP, EP, PP, TP
 from jaxpar.pipeline import runtime
+from jaxpar.tensor.block import TPSpecs
+from jaxpar.tensor.formulas import block_param_shapes
 from jaxpar.tensor.layers import block_shard
 from jaxpar.tensor.ops import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
-from jaxpar.tensor.vocab import embedding_shard, lm_head_loss_shard
+from jaxpar.tensor.vocab import VocabSpecs, embedding_shard, lm_head_loss_shard
 from jaxpar.train import balance
 from jaxpar.train.spec import ParallelSpec
 
 
-def layer_names(cfg: reference.ModelConfig, tp: int) -> dict[str, tuple]:
-    """The mesh axis of each dimension of one block's weights (None: not split)."""
-    kv = TP if cfg.n_kv_heads % tp == 0 else None      # tp > K: KV heads replicated
-    names = {"attn_norm": (None,), "wq": (None, TP, None), "wk": (None, kv, None), "wv": (None, kv, None),
-             "wo": (TP, None, None), "mlp_norm": (None,)}
-    if cfg.n_experts:
-        names.update(router=(None, None), w_up=(EP, None, TP), w_down=(EP, TP, None))
-        if cfg.router_bias:
-            names["router_bias"] = (None,)
-        if cfg.mlp == "swiglu":
-            names["w_gate"] = (EP, None, TP)
-    else:
-        names.update(w_up=(None, TP), w_down=(TP, None))
-        if cfg.mlp == "swiglu":
-            names["w_gate"] = (None, TP)
-    return names
+def split(tree: dict) -> dict:
+    """reference.init_params's structure (params, their gradients or specs) -> {"blocks",
+    "first": {"embed"}, "last": {"final_norm", "unembed"}}: what the pipeline's stages
+    own, the first stage the embedding, the last the LM head (blocks still [L, ...])."""
+    return {"blocks": tree["blocks"], "first": {"embed": tree["embed"]},
+            "last": {"final_norm": tree["final_norm"], "unembed": tree["unembed"]}}
+
+
+def join(tree: dict) -> dict:
+    """`split`'s inverse."""
+    return {"embed": tree["first"]["embed"], "blocks": tree["blocks"], **tree["last"]}
+
+
+def _names(pspec: P, ndim: int) -> tuple:
+    """A PartitionSpec's entries, one per dimension of an ndim array (None: not split)."""
+    return tuple(pspec) + (None,) * (ndim - len(pspec))
 
 
 def partition_names(cfg: reference.ModelConfig, tp: int = 2) -> dict:
-    """Every weight's dimension names, in reference.init_params's structure (layers on pp)."""
-    return {"embed": (TP, None), "final_norm": (None,), "unembed": (None, TP),
-            "blocks": {k: (PP, *v) for k, v in layer_names(cfg, tp).items()}}
+    """Every weight's dimension names, the mesh axis each dimension is split over (None:
+    not split), in reference.init_params's structure: what LanguageModel's metadata
+    holds. Megatron's layout over tp is the tensor package's (`TPSpecs.named`: the KV
+    heads replicated when tp > K; `VocabSpecs`); on top of it the L layers are stacked
+    over pp and an MoE's experts split over ep, each expert's FFN over tp as the dense
+    MLP's, its router (and selection bias) replicated."""
+    shapes = block_param_shapes(cfg)                  # one dense block's; the MoE adds E first
+    layer = {k: _names(s, len(shapes[k])) for k, s in TPSpecs.named(n_kv_heads=cfg.n_kv_heads, tp=tp).params(
+        shapes).items()}
+    if cfg.n_experts:
+        layer |= {k: (EP, *v) for k, v in layer.items() if k in ("w_up", "w_gate", "w_down")}
+        layer["router"] = (None, None)
+        if cfg.router_bias:
+            layer["router_bias"] = (None,)
+    vocab = VocabSpecs()
+    return {"embed": _names(vocab.embed_vd, 2), "final_norm": _names(vocab.final_norm_d, 1),
+            "unembed": _names(vocab.unembed_dv, 2), "blocks": {k: (PP, *v) for k, v in layer.items()}}
+
+
+@functools.cache
+def partition_specs(cfg: reference.ModelConfig, tp: int = 2) -> dict:
+    """Every weight's PartitionSpec, read from the partition metadata of LanguageModel(cfg,
+    tp=tp) built abstractly (nnx.eval_shape: no array is made). Shared: do not mutate."""
+    model = nnx.eval_shape(lambda: LanguageModel(cfg, tp=tp))
+    return nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model, nnx.Param)))
 
 
 def specs(cfg: reference.ModelConfig, spec: ParallelSpec) -> tuple[dict, dict, dict]:
     """(one layer's PartitionSpecs over the non-pp axes, first-stage specs, last-stage
-    specs), size-1 axes left out."""
+    specs) for the trainer: the model's metadata (`partition_specs`) split by stage, the
+    layers' pp dimension dropped, axes of one device left out."""
     sizes = spec.sizes
     keep = lambda names: P(*(n if n is not None and sizes.get(n, 1) > 1 else None for n in names))
-    layer = {k: keep(v) for k, v in layer_names(cfg, spec.tp).items()}
-    return layer, {"embed": keep((TP, None))}, {"final_norm": P(), "unembed": keep((None, TP))}
+    parts = split(partition_specs(cfg, spec.tp))
+    return ({k: keep(tuple(s)[1:]) for k, s in parts["blocks"].items()},
+            {k: keep(s) for k, s in parts["first"].items()}, {k: keep(s) for k, s in parts["last"].items()})
 
 
 class LanguageModel(nnx.Module):
     """reference.ModelConfig's decoder as NNX parameters with partition metadata
-    (`sharding_names`: the mesh axis of each dimension; flax's get_partition_spec reads
-    them). The blocks stack their L layers on a leading axis, split over pp."""
+    (`out_sharding`: the mesh axis of each dimension, `partition_names`; flax's
+    get_partition_spec reads it, and so does the trainer). The blocks stack their L
+    layers on a leading axis, split over pp. tp: the KV heads are replicated when it
+    exceeds n_kv_heads (the names are the same for every tp that divides them)."""
 
     def __init__(self, cfg: reference.ModelConfig, *, key=None, params: dict | None = None,
                  dtype=jnp.float32, tp: int = 2):
@@ -87,7 +116,7 @@ class LanguageModel(nnx.Module):
         params = reference.init_params(jax.random.key(0) if key is None else key, cfg, dtype) \
             if params is None else params
         names = partition_names(cfg, tp)
-        param = lambda a, n: nnx.Param(jnp.asarray(a), sharding_names=n, eager_sharding=False)
+        param = lambda a, n: nnx.Param(jnp.asarray(a), out_sharding=n, eager_sharding=False)
         self.embed = param(params["embed"], names["embed"])
         self.final_norm = param(params["final_norm"], names["final_norm"])
         self.unembed = param(params["unembed"], names["unembed"])

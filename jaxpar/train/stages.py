@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import functools
 
-import jax
-from jax.sharding import PartitionSpec as P
-
 from jaxpar import errors, reference
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import PP, TP, axis_size, require_mesh
 from jaxpar.pipeline import runtime
 from jaxpar.pipeline.schedule import Schedule
 from jaxpar.tensor.block import TPSpecs, validate_tp
+from jaxpar.tensor.formulas import block_param_shapes
 from jaxpar.tensor.layers import block_shard
-from jaxpar.tensor.vocab import embedding_shard, lm_head_loss_shard
+from jaxpar.tensor.vocab import VocabSpecs, embedding_shard, lm_head_loss_shard
+from jaxpar.train.model import split
 
 
 def embed(first: dict, tokens):
@@ -46,18 +45,12 @@ def stage_fns(cfg: reference.ModelConfig):
 
 
 def specs(cfg: reference.ModelConfig, mesh) -> tuple[dict, dict, dict]:
-    """(param_specs of one block, first_specs, last_specs): Megatron's layout over tp."""
+    """(param_specs of one block, first_specs, last_specs): Megatron's layout over tp
+    (the tensor package's TPSpecs and VocabSpecs)."""
     tp = axis_size(mesh, TP)
-    block = TPSpecs.megatron(n_kv_heads=cfg.n_kv_heads, tp=tp).params(
-        {k: None for k in reference.layer_params(reference.init_params(jax.random.key(0), cfg), 0)})
-    t = TP if tp > 1 else None
-    return block, {"embed": P(t, None)}, {"final_norm": P(), "unembed": P(None, t)}
-
-
-def split(params: dict) -> tuple[dict, dict, dict]:
-    """reference.init_params's dict -> (blocks, first, last)."""
-    return params["blocks"], {"embed": params["embed"]}, {"final_norm": params["final_norm"],
-                                                          "unembed": params["unembed"]}
+    vocab = VocabSpecs.megatron(tp=tp)
+    block = TPSpecs.megatron(n_kv_heads=cfg.n_kv_heads, tp=tp).params(block_param_shapes(cfg))
+    return block, {"embed": vocab.embed_vd}, {"final_norm": vocab.final_norm_d, "unembed": vocab.unembed_dv}
 
 
 def arguments(params: dict, tokens, *, mesh, cfg: reference.ModelConfig) -> tuple:
@@ -77,7 +70,8 @@ def arguments(params: dict, tokens, *, mesh, cfg: reference.ModelConfig) -> tupl
                      "embedding and columns of the LM head", fix="a vocabulary padded to a multiple of tp")
     stage, first_fn, loss_fn = stage_fns(cfg)
     param_specs, first_specs, last_specs = specs(cfg, mesh)
-    blocks, first, last = split(params)
+    parts = split(params)
+    blocks, first, last = parts["blocks"], parts["first"], parts["last"]
     return stage, blocks, (tokens[:, :-1], tokens[:, 1:]), dict(
         mesh=mesh, loss_fn=loss_fn, param_specs=param_specs, first_fn=first_fn, first_params=first,
         first_specs=first_specs, last_params=last, last_specs=last_specs)

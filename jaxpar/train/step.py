@@ -61,16 +61,6 @@ class TrainState(NamedTuple):
     opt: Any               # optax AdamW state, mu and nu laid out as params (ZeRO-1: also split over dp)
 
 
-def split(params: dict) -> dict:
-    """reference.init_params's dict -> {"blocks", "first", "last"} (blocks still [L, ...])."""
-    return {"blocks": params["blocks"], "first": {"embed": params["embed"]},
-            "last": {"final_norm": params["final_norm"], "unembed": params["unembed"]}}
-
-
-def join(tree: dict) -> dict:
-    return {"embed": tree["first"]["embed"], "blocks": tree["blocks"], **tree["last"]}
-
-
 def _with_unit(spec: P) -> P:
     """spec with pp (of size 1) added to its first dimension."""
     e = spec[0] if len(spec) else None
@@ -115,7 +105,7 @@ class Trainer:
         self.schedule = spec.make_schedule()
         stage_fn, first_fn, loss_fn = model_lib.shard_fns(cfg, spec, self.seq_len, self.batch_size)
         layer_specs, first_specs, last_specs = model_lib.specs(cfg, spec)
-        shapes = split(jax.eval_shape(lambda: reference.init_params(jax.random.key(0), cfg, self.dtype)))
+        shapes = model_lib.split(jax.eval_shape(lambda: reference.init_params(jax.random.key(0), cfg, self.dtype)))
         ids = jax.ShapeDtypeStruct((self.batch_size, self.seq_len), jnp.int32)
         row_axes = tuple(a for a in ("dp", "ep") if spec.sizes[a] > 1)
         batch_spec = P(row_axes if len(row_axes) > 1 else row_axes[0] if row_axes else None,
@@ -233,14 +223,14 @@ class Trainer:
         """A state on this mesh from reference-structured params (and an optimizer state in
         the canonical layout, `canonical`'s second output; None: a fresh one)."""
         def build(params, opt, step):
-            staged = self._staged(split(params))
+            staged = self._staged(model_lib.split(params))
             opt = self.tx.init(staged) if opt is None else self._opt_map(opt, lambda a, k: to_stages(
                 a, self.schedule) if k else a)
             return TrainState(step=jnp.asarray(step, jnp.int32), params=staged, opt=opt)
         return jax.jit(build, out_shardings=self.shardings)(params, opt, step)
 
     def _unstage(self, state: TrainState):
-        params = join({**state.params, "blocks": from_stages(state.params["blocks"], self.schedule)})
+        params = model_lib.join({**state.params, "blocks": from_stages(state.params["blocks"], self.schedule)})
         opt = self._opt_map(state.opt, lambda a, k: from_stages(a, self.schedule) if k else a)
         return params, opt, state.step
 

@@ -146,6 +146,21 @@ def test_param_bytes_per_device_are_one_tth():
         assert per_device == tensor.block_param_bytes(cfg=cfg, dtype=jnp.float32, tp=t) == (full - norms) // t + norms
 
 
+def test_the_layouts_name_tp_once_and_leave_it_out_on_one_device():
+    """TPSpecs.named keeps every tp name (KV heads replicated when tp > K); megatron drops
+    tp on one device; VocabSpecs splits the embedding's rows and the head's columns."""
+    assert tensor.TPSpecs.named(n_kv_heads=2, tp=1) == tensor.TPSpecs()
+    assert tensor.TPSpecs.named(n_kv_heads=2, tp=4).wk_dkh == P() == tensor.TPSpecs.named(n_kv_heads=2, tp=4).wv_dkh
+    one = tensor.TPSpecs.megatron(n_kv_heads=2, tp=1, sequence_parallel=True, data_axis="dp")
+    assert (one.wq_dnh, one.w_down_fd, one.attn_norm_d, one.act_btd) == (P(None, None, None), P(None, None), P(),
+                                                                         P("dp", None, None))
+    assert tensor.TPSpecs.megatron(n_kv_heads=2, tp=2, sequence_parallel=True).act_btd == P(None, "tp", None)
+    assert tensor.VocabSpecs.megatron(tp=4) == tensor.VocabSpecs(embed_vd=P("tp", None), final_norm_d=P(),
+                                                                 unembed_dv=P(None, "tp"))
+    assert tensor.VocabSpecs.megatron(tp=1) == tensor.VocabSpecs(embed_vd=P(None, None), unembed_dv=P(None, None))
+    assert tensor.without_axis(tensor.VocabSpecs(embed_vd=P(("tp", "dp"), None)), "tp").embed_vd == P("dp", None)
+
+
 def test_counterexample_row_split_gelu_is_wrong():
     m = mesh_lib.make_mesh(dp=2, tp=4)
     kx, ka = jax.random.split(jax.random.key(1))

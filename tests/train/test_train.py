@@ -87,6 +87,22 @@ def test_the_nnx_model_holds_the_reference_params_and_their_partitioning():
     assert got == expected
 
 
+def test_the_trainer_reads_its_specs_from_the_models_metadata():
+    """model.specs: the NNX metadata split by stage, the layers' pp dimension dropped, axes
+    of one device left out (MOE on ep2 x tp2: K=2 heads split; tp1: nothing over tp)."""
+    cfg = verify.MOE
+    layer, first, last = model.specs(cfg, ParallelSpec(ep=2, tp=2))
+    assert layer == {"attn_norm": P(None), "mlp_norm": P(None), "wq": P(None, "tp", None), "wk": P(None, "tp", None),
+                     "wv": P(None, "tp", None), "wo": P("tp", None, None), "router": P(None, None),
+                     "w_up": P("ep", None, "tp"), "w_gate": P("ep", None, "tp"), "w_down": P("ep", "tp", None)}
+    assert first == {"embed": P("tp", None)} and last == {"final_norm": P(None), "unembed": P(None, "tp")}
+    layer, first, _ = model.specs(cfg, ParallelSpec(pp=2, ep=2))
+    assert layer["w_down"] == P("ep", None, None) and layer["wq"] == P(None, None, None)
+    assert first == {"embed": P(None, None)}
+    nnx_specs = model.partition_specs(cfg, 2)
+    assert model.join(model.split(nnx_specs)) == nnx_specs
+
+
 def test_batches_are_a_function_of_the_step():
     c = Corpus(vocab=32, seed=1)
     np.testing.assert_array_equal(c.batch(5, batch_size=4, seq_len=8), Corpus(vocab=32, seed=1).batch(

@@ -13,8 +13,9 @@ with, and ZeRO.
 >>> grads = data.reduce_gradients(grads, pspecs, batch_axes=("dp",))      # inside shard_map
 
 The composed trainer (`train.step`) ends with these; `pipeline.runtime.pipeline` sums its
-gradients by the same rule. Not to be confused with `jaxpar.train.data`, the training text. The names below load from their
-module on first use (PEP 562), so that importing `jaxpar.data.formulas` does not start JAX.
+gradients by the same rule. Not to be confused with `jaxpar.train.data`, the training
+text. The names below load from their module on first use (PEP 562), so that importing
+`jaxpar.data.formulas` does not start JAX.
 """
 
 from jaxpar import lazy

@@ -2,60 +2,65 @@
 
     python examples/02_pipeline_parallel.py
 
-Runs on 8 fake CPU devices unless XLA_FLAGS sets another count. Mirrors the lecture's
-02_pipeline_parallel.py, lecture figures beside jaxpar's:
-  demo 1  the lecture's model: 8 layers of Linear(1024), 2 per stage on 4 stages, 1F1B,
-          m = 1, 4, 8, in float64: gradients vs one device's whole-batch gradients
-          (lecture: below 1e-9);
+Runs on 8 fake CPU devices unless XLA_FLAGS sets another count (4 at least). Mirrors
+the lecture's 02_pipeline_parallel.py, lecture figures beside jaxpar's. Opens with the
+technique: the lecture's model (8 x Linear(1024), 2 layers per stage on 4 stages) as a
+per-layer function, `runtime.run` executing 1F1B for m = 1, 4, 8 on pp=4 in float64,
+against one device's whole-batch gradients (lecture: below 1e-9). Then:
   demo 2  every schedule of 01_pipeline_schedules.py executed by the same runtime
           (one SPMD program: lax.scan over steps, lax.switch over F / B / W / idle,
-          ppermute between stages), NaN in every unused slot, on dp=2 x pp=4: errors,
-          compiled collective-permutes vs the schedule's, residual slots vs its peak;
+          ppermute between stages), NaN in every unused slot: errors, compiled
+          collective-permutes vs the schedule's, residual slots vs its peak;
   demo 3  the SPMD steps the runtime runs for 1F1B (backward lane, then forward lane);
   demo 4  compiled temp memory as m grows at a fixed microbatch: 1F1B flat, the GPipe
           baseline (forward scan + autodiff) growing with m;
   demo 5  bad input: a ConfigError before anything compiles;
-  demo 6  the program at scale: one scan whatever m (compile seconds and temp memory at
-          m = 8 and 64 for 1F1B and DualPipe-V), the built step cached by runtime.run;
+  demo 6  the program at scale: one scan whatever m (compile seconds and temp memory of
+          1F1B at m = 8 and 64), the built step cached by runtime.run;
   demo 7  a user's own flax NNX block as the stage. The reference model's Megatron blocks
           as per-shard stages, trained on dp x pp x tp x cp x ep: examples/08_train_4d.py.
-Step time against m (the lecture's "m = 4 was fastest") is a benchmark:
-`python -m benchmarks.pipeline`.
+More schedules and models against the unsharded one: `jaxpar verify pp`. Step time
+against m (the lecture's "m = 4 was fastest") is a benchmark: `python -m benchmarks.pipeline`.
 """
 
 from jaxpar import mesh
 
 n = mesh.use_cpu_devices(8)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from jaxpar.errors import ConfigError  # noqa: E402
 import time  # noqa: E402
 
-from jaxpar.pipeline import baseline, plan, runtime, schedule, stage, verify  # noqa: E402
-from jaxpar.testing import max_abs_diff  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxpar.errors import ConfigError  # noqa: E402
+from jaxpar.pipeline import baseline, modules, plan, runtime, schedule, stage, verify  # noqa: E402
+from jaxpar.testing import close, compiled_collectives, max_abs_diff  # noqa: E402
 
 
-def demo_lecture_model():
+def layer(p, x):
+    """One layer of the lecture's model on one microbatch: x [rows, 1024] -> Linear + ReLU."""
+    return jax.nn.relu(x @ p["w"] + p["b"])           # p["w"] [1024, 1024], p["b"] [1024]
+
+
+def lesson():
     print("== demo 1: the lecture's 8 x Linear(1024), 4 stages x 2 layers, 1F1B, float64 ==")
-    jax.config.update("jax_enable_x64", True)
-    try:
-        params = stage.mlp_params(8, 1024, jnp.float64)
-        batch = stage.mlp_batch(64, 1024, jnp.float64)
-        m4 = mesh.make_mesh(pp=4, devices=jax.devices()[:4])
-        ref_loss, ref = stage.unsharded(stage.mlp_stage, params, batch)
-        for m in (1, 4, 8):
-            loss, grads = runtime.run(schedule.make("1f1b", 4, m), stage.mlp_stage, params, batch, mesh=m4)
+    m = mesh.make_mesh(pp=4, devices=jax.devices()[:4])   # 4 pipeline stages, one per device
+    stage_fn = runtime.layers(layer)     # a stage runs its layers in order: w [2, 1024, 1024] on each device
+    with jax.enable_x64(True):
+        params = stage.mlp_params(8, 1024, jnp.float64)  # {"w": [8, 1024, 1024], "b": [8, 1024]}: layers first
+        batch = stage.mlp_batch(64, 1024, jnp.float64)   # (inputs, targets), [64, 1024] each
+        ref_loss, ref = stage.unsharded(stage_fn, params, batch)    # one device: jax.value_and_grad, whole batch
+        for mb in (1, 4, 8):             # microbatches of 64/mb rows
+            s = schedule.make("1f1b", stages=4, microbatches=mb)
+            loss, grads = runtime.run(s, stage_fn, params, batch, mesh=m)   # grads.params, grads.inputs [64, 1024]
             err = max_abs_diff((loss, grads), (ref_loss, ref))
-            print(f"  m={m}: max |pipeline - single device| over loss, dx, all weights = {err:.1e} "
+            print(f"  m={mb}: max |pipeline - single device| over loss, dx, all weights = {err:.1e} "
                   f"(lecture: below 1e-9)  {'ok' if err < 1e-9 else 'FAIL'}")
-    finally:
-        jax.config.update("jax_enable_x64", False)
 
 
 def demo_every_schedule():
-    p = 4 if n >= 4 else n
+    p = 4
     dp = 2 if n >= 2 * p else 1
     print(f"\n== demo 2: every schedule, dp={dp} x pp={p}, NaN in every unused slot ==")
     print(f"  {'schedule':<28} {'max error':>9}  {'relative':>8}  collective-permutes (measured = schedule's)"
@@ -63,7 +68,7 @@ def demo_every_schedule():
     cases = [("naive", p), ("gpipe", 8), ("1f1b", 8), ("interleaved", 8), ("zb-h1", 8), ("zb-h2", 8),
              ("dualpipe-v", 8)]
     for name, m in cases:
-        c = verify.compare(name, p, m, dp=dp)
+        c = verify.compare(name, p, m, dp=dp)      # the lecture MLP (width 32) vs stage.unsharded
         pl = plan.plan(schedule.make(name, p, m))
         cp = c.measured.get("collective-permute", (0, 0))
         same = "=" if c.collectives_match else "!="
@@ -118,21 +123,18 @@ def demo_bad_input():
 
 
 def demo_scale():
-    print("\n== demo 6: one scan whatever m (16 x Linear(64), 4-row microbatches, pp=4) ==")
+    print("\n== demo 6: one scan whatever m (16 x Linear(64), 4-row microbatches, 1F1B on pp=4) ==")
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stage.mlp_params(16, 64))
     m4 = mesh.make_mesh(pp=4, devices=jax.devices()[:4])
-    for name in ("1f1b", "dualpipe-v"):
-        row = []
-        for m in (8, 64):
-            x = jax.ShapeDtypeStruct((4 * m, 64), jnp.float32)
-            start = time.perf_counter()
-            pipe = runtime.pipeline(schedule.make(name, 4, m), stage.mlp_stage, params, (x, x), mesh=m4,
-                                    input_grads=False)
-            staged = jax.eval_shape(lambda q, s=pipe.schedule: runtime.to_stages(q, s), params)
-            temp = pipe.step.lower(staged, x, x, None, None).compile().memory_analysis().temp_size_in_bytes
-            row.append(f"m={m}: {pipe.plan.scans} scan of {pipe.plan.steps:>3} steps, compiled in "
-                       f"{time.perf_counter() - start:.1f} s, temp {temp / 1e6:.2f} MB")
-        print(f"  {name:<10} " + " | ".join(row))
+    for m in (8, 64):
+        x = jax.ShapeDtypeStruct((4 * m, 64), jnp.float32)
+        start = time.perf_counter()
+        pipe = runtime.pipeline(schedule.make("1f1b", 4, m), stage.mlp_stage, params, (x, x), mesh=m4,
+                                input_grads=False)
+        staged = jax.eval_shape(lambda q, s=pipe.schedule: runtime.to_stages(q, s), params)
+        temp = pipe.step.lower(staged, x, x, None, None).compile().memory_analysis().temp_size_in_bytes
+        print(f"  m={m}: {pipe.plan.scans} scan of {pipe.plan.steps:>3} steps, compiled in "
+              f"{time.perf_counter() - start:.1f} s, temp {temp / 1e6:.2f} MB")
     params, batch = stage.mlp_params(8, 64), stage.mlp_batch(32, 64)
     s = schedule.make("1f1b", 4, 8)
     times = []
@@ -144,16 +146,49 @@ def demo_scale():
           + " (built and compiled once, then cached)")
 
 
+class Block(nnx.Module):
+    """A user's own block (RMSNorm, MLP, residual), as a flax NNX module: x [rows, d] -> [rows, d]."""
+
+    def __init__(self, d: int, rngs: nnx.Rngs):
+        self.norm = nnx.RMSNorm(d, rngs=rngs)
+        self.up = nnx.Linear(d, 2 * d, rngs=rngs)
+        self.down = nnx.Linear(2 * d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+
 
 def demo_nnx():
-    print("\n== demo 7: a flax NNX block as the stage, 1F1B ==")
-    r = verify.check_nnx(p=2)
-    print(f"  flax NNX blocks under 1F1B: max error {r.max_error:.1e}, "
-          f"{r.measured['step']['collective-permute'][0]} collective-permutes = plan  {'ok' if r.passed else 'FAIL'}")
+    print("\n== demo 7: a flax NNX block as the stage, 1F1B over pp=2, 4 microbatches ==")
+    blocks = [Block(16, nnx.Rngs(i)) for i in range(4)]       # one module per layer, 2 per stage
+    stage_fn, params = modules.nnx_layers(blocks)             # params: an nnx.State, leaves [4, ...]
+    x, t = stage.mlp_batch(8, 16)                             # [8, 16] each: microbatches of 2 rows
+    pipe = runtime.pipeline(schedule.make("1f1b", 2, 4), stage_fn, params, (x, t),   # what runtime.run builds,
+                            mesh=mesh.make_mesh(pp=2, devices=jax.devices()[:2]))  # held here for its plan
+    loss, grads = runtime.run_pipeline(pipe, params, (x, t))  # grads.params: an nnx.State like params
+
+    @nnx.jit
+    def unsharded(blocks, x):   # the same modules, one after the other, differentiated by nnx
+        def loss(blocks, x):
+            for b in blocks:
+                x = b(x)
+            return jnp.mean(jnp.square(x - t))
+        return nnx.value_and_grad(loss, argnums=(0, 1))(blocks, x)
+    ref_loss, (ref_blocks, ref_x) = unsharded(nnx.List(blocks), x)
+    ours = (loss, grads.inputs, jax.tree.leaves(modules.unstack(grads.params)))   # block by block
+    ref = (ref_loss, ref_x, jax.tree.leaves(ref_blocks))
+    ok = close(ours, ref)                                     # float32's tolerance, leaf by leaf
+    # the compiled step's sends (each guarded ppermute counted as often as it runs) against the plan's
+    compiled = pipe.step.lower(runtime.to_stages(params, pipe.schedule), x, t, None, None).compile()
+    sent = compiled_collectives(compiled, pipe.plan.runs())["collective-permute"][0]
+    same = sent == pipe.plan.permutes
+    print(f"  flax NNX blocks under 1F1B vs nnx.value_and_grad of the modules: max error "
+          f"{max_abs_diff(ours, ref):.1e}, {sent} collective-permutes "
+          f"{'=' if same else '!='} plan  {'ok' if ok and same else 'FAIL'}")
 
 
 if __name__ == "__main__":
-    demo_lecture_model()
+    lesson()
     demo_every_schedule()
     demo_steps()
     demo_memory()

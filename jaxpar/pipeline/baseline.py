@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.collectives import varying
 from jaxpar.mesh import DP, PP, axis_size, require_mesh
 from jaxpar.pipeline import schedule as schedule_lib
-from jaxpar.pipeline.runtime import Pipeline
-from jaxpar.pipeline.stage import mse, validate, validate_options
+from jaxpar.pipeline.runtime import Pipeline, request
+from jaxpar.pipeline.stage import mse
 
 
 def gpipe_baseline(stage_fn: Callable, params, batch, *, mesh, microbatches: int,
@@ -29,8 +29,7 @@ def gpipe_baseline(stage_fn: Callable, params, batch, *, mesh, microbatches: int
     require_mesh(mesh, axes=(PP,), only=(DP, PP), needed_by="the GPipe baseline")
     p, dp = axis_size(mesh, PP), axis_size(mesh, DP)
     schedule = schedule_lib.make("gpipe", stages=p, microbatches=microbatches)
-    validate(schedule, stage_fn, params, batch, mesh, loss_fn)
-    validate_options(bubble_fill=bubble_fill)
+    request(schedule, stage_fn, params, batch, mesh=mesh, loss_fn=loss_fn, bubble_fill=bubble_fill)   # the checks
     m, has_dp = microbatches, dp > 1
     axes = (DP, PP) if has_dp else (PP,)
     chain = [(d, d + 1) for d in range(p - 1)]

@@ -13,15 +13,20 @@ Two kinds of stage:
   `Whole`  any other stage function: one vjp over the whole stage; F keeps its residuals
            minus the parameters it was taken with respect to.
 
-Chunk c's layer l is read from the [v, Lc, ...] parameters by one dynamic slice, and its
-gradient added into the [v, Lc, ...] accumulator by one dynamic update: weight gradients
-go in place, only in the passes that make them. With `recompute=True` F keeps only x and
-B (and W) run the forward again.
+What F stores never holds a parameter (`split_vjp` states the invariant); its shapes, and
+the layout that rebuilds the pullback in B, are learned by tracing F once (`learn`), and
+returned as a `Residuals` value: the passes hold no state. Chunk c's layer l is read from
+the [v, Lc, ...] parameters by one dynamic slice, and its gradient added into the
+[v, Lc, ...] accumulator by one dynamic update: weight gradients go in place, only in the
+passes that make them. With `recompute=True` F keeps only x and B (and W) run the forward
+again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,104 +66,166 @@ def shapes_and_axes(fn: Callable) -> tuple[list, list[tuple[str, ...]]]:
     return jax.eval_shape(traced), axes
 
 
-class _Vjp:
-    """A function's vjp split into the leaves to store and the rest: the parameters it was
-    taken at (not stored: B has them) and constants. A forward must be traced before a
-    rebuild, inside shard_map as the branches are: `learn` does it (with recompute, B
-    traces its own forward first)."""
+# ---- a vjp split into what F stores and what B re-reads -----------------------------------
 
-    def __init__(self, fn: Callable):
-        self.fn = fn
-        self.treedef = self.layout = None
-
-    def forward(self, params, x):
-        y, vjp_fn = jax.vjp(self.fn, params, x)
-        leaves, treedef = jax.tree.flatten(vjp_fn)
-        ids = {id(a): j for j, a in enumerate(jax.tree.leaves(params))}
-        layout = [("p", ids[id(a)]) if id(a) in ids else ("s", None) if isinstance(a, jax.core.Tracer)
-                  else ("c", a) for a in leaves]
-        self.treedef, self.layout = treedef, layout   # the same in every trace of fn
-        return y, [a for a, (kind, _) in zip(leaves, layout) if kind == "s"]
-
-    def rebuild(self, params, stored) -> Callable:
-        leaves, stored = jax.tree.leaves(params), iter(stored)
-        return jax.tree.unflatten(self.treedef, [leaves[j] if kind == "p" else next(stored) if kind == "s" else j
-                                                 for kind, j in self.layout])
+class VjpLayout(NamedTuple):
+    """Where each leaf of a vjp function comes from; static, the same in every trace of
+    the function: ("param", j) the j-th leaf of the parameters, ("stored", None) a leaf F
+    stores, ("constant", value) a value the function closes over."""
+    treedef: Any
+    sources: tuple
 
 
+def _parameter_positions(params) -> dict[int, int]:
+    """{id of a parameter leaf: its position}: a residual that IS a parameter is that leaf."""
+    return {id(a): j for j, a in enumerate(jax.tree.leaves(params))}
+
+
+def split_vjp(fn: Callable, params, x) -> tuple[jax.Array, list, VjpLayout]:
+    """(y = fn(params, x), the pullback's leaves to store, the layout that rebuilds it).
+
+    Invariant, the basis of the runtime's memory claim (a residual slot holds activations,
+    and its size follows the schedule, not the weights): the stored leaves exclude every
+    leaf of `params`. A vjp function is a pytree whose leaves are its residuals; a residual
+    that is a parameter (the same traced array, as `jax.vjp` keeps x of x @ w for dw and w
+    for dx) is recorded by its position, and `join_vjp` re-reads it from the weights in B.
+    Leaves that are not traced (constants the function closes over) stay in the layout.
+    Call it under a trace (the program's shard_map): outside one, every residual is a
+    constant. tests/pipeline/test_passes.py holds the invariant for the lecture's MLP layer,
+    a reference transformer block, a whole stage and an NNX block."""
+    y, pullback = jax.vjp(fn, params, x)
+    leaves, treedef = jax.tree.flatten(pullback)
+    position = _parameter_positions(params)
+    sources = tuple(("param", position[id(a)]) if id(a) in position
+                    else ("stored", None) if isinstance(a, jax.core.Tracer) else ("constant", a) for a in leaves)
+    return y, [a for a, (kind, _) in zip(leaves, sources) if kind == "stored"], VjpLayout(treedef, sources)
+
+
+def join_vjp(layout: VjpLayout, params, stored) -> Callable:
+    """The pullback `split_vjp` split: the parameters re-read from `params`, the stored
+    leaves back in place."""
+    leaves, stored = jax.tree.leaves(params), iter(stored)
+    return jax.tree.unflatten(layout.treedef, [leaves[j] if kind == "param" else next(stored) if kind == "stored"
+                                               else j for kind, j in layout.sources])
+
+
+class Residuals(NamedTuple):
+    """What one stage's F stores for B, learned by tracing F once (`Stack.learn`,
+    `Whole.learn`): the program sizes its slots by it and B rebuilds the pullback with it."""
+    stored: list                  # ShapeDtypeStructs of F's stored leaves (Stack: [Lc, ...] each)
+    axes: list                    # the manual axes each stored leaf varies over
+    kept: jax.ShapeDtypeStruct    # what a split B keeps for W: [Lc, mb, ...] (Stack) or [mb, ...]
+    layout: VjpLayout | None      # None with recompute: B traces the forward again
+
+
+def _learn(stored_fn: Callable, kept: jax.ShapeDtypeStruct) -> Residuals:
+    """Residuals from one trace of stored_fn() -> (stored leaves, layout or None)."""
+    layouts = []
+
+    def stored():
+        leaves, layout = stored_fn()
+        layouts.append(layout)
+        return leaves
+    shapes, axes = shapes_and_axes(stored)
+    return Residuals(stored=shapes, axes=axes, kept=kept, layout=layouts[0])
+
+
+# ---- the two kinds of stage -----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
 class Stack:
     """A `layers` stage of `depth` layers, scanned."""
 
-    def __init__(self, layer_fn: Callable, depth: int, recompute: bool):
-        self.vjp, self.depth, self.recompute = _Vjp(layer_fn), depth, recompute
+    layer_fn: Callable
+    depth: int
+    recompute: bool
 
-    def learn(self, params, x):
-        """Shapes of the stored residuals and of what a split B keeps for W."""
-        self.stored, self.stored_axes = shapes_and_axes(lambda: self.forward(params, 0, x)[1])
-        self.kept = jax.ShapeDtypeStruct((self.depth, *x.shape), x.dtype)
+    def learn(self, params, x) -> Residuals:
+        """What F stores (traced on chunk 0: every chunk's are alike) and what a split B
+        keeps: each layer's output gradient, [depth, mb, ...]."""
+        def stored():
+            if self.recompute:
+                return self.forward(params, 0, x)[1], None
+            return self._residuals(params, 0, x)[1:]
+        return _learn(stored, jax.ShapeDtypeStruct((self.depth, *x.shape), x.dtype))
 
-    def _residuals(self, params, c, x):
+    def _residuals(self, params, c, x) -> tuple[jax.Array, list, VjpLayout]:
+        """(y, each layer's stored leaves stacked on a layer axis, the layers' vjp layout)."""
+        layouts = []
+
         def body(h, l):
-            return self.vjp.forward(read(params, (c, l)), h)
-        return jax.lax.scan(body, x, jnp.arange(self.depth))
+            y, stored, layout = split_vjp(self.layer_fn, read(params, (c, l)), h)
+            layouts.append(layout)
+            return y, stored
+        y, stored = jax.lax.scan(body, x, jnp.arange(self.depth))
+        return y, stored, layouts[0]
 
-    def forward(self, params, c, x):
+    def forward(self, params, c, x) -> tuple[jax.Array, list]:
+        """(y, what F stores): chunk c's layers on x [mb, ...]."""
         if self.recompute:
             def body(h, l):
-                return self.vjp.fn(read(params, (c, l)), h), None
+                return self.layer_fn(read(params, (c, l)), h), None
             return jax.lax.scan(body, x, jnp.arange(self.depth))[0], [x]
-        return self._residuals(params, c, x)
+        return self._residuals(params, c, x)[:2]
 
-    def _stored(self, params, c, stored):
-        return self._residuals(params, c, stored[0])[1] if self.recompute else stored
+    def _stored(self, params, c, stored, layout) -> tuple[list, VjpLayout]:
+        if self.recompute:
+            return self._residuals(params, c, stored[0])[1:]
+        return stored, layout
 
-    def backward(self, params, c, stored, g, acc, *, weights: bool):
+    def backward(self, params, c, stored, g, acc, *, weights: bool, layout: VjpLayout | None):
         """(dL/dx, acc with this chunk's weight gradients added if `weights`, the per-layer
-        output gradients W needs)."""
-        res = self._stored(params, c, stored)
+        output gradients W needs [depth, mb, ...])."""
+        res, layout = self._stored(params, c, stored, layout)
 
         def body(carry, inp):
             g, acc = carry
             l, res_l = inp
-            d_w, dx = self.vjp.rebuild(read(params, (c, l)), res_l)(g)
+            d_w, dx = join_vjp(layout, read(params, (c, l)), res_l)(g)
             return (dx, add(acc, (c, l), d_w) if weights else acc), g
         (dx, acc), kept = jax.lax.scan(body, (g, acc), (jnp.arange(self.depth), res), reverse=True)
         return dx, acc, kept
 
-    def weight(self, params, c, stored, kept, acc):
-        res = self._stored(params, c, stored)
+    def weight(self, params, c, stored, kept, acc, *, layout: VjpLayout | None):
+        """acc with chunk c's weight gradients added, from the output gradients B kept."""
+        res, layout = self._stored(params, c, stored, layout)
 
         def body(acc, inp):
             l, res_l, g = inp
-            return add(acc, (c, l), self.vjp.rebuild(read(params, (c, l)), res_l)(g)[0]), None
+            return add(acc, (c, l), join_vjp(layout, read(params, (c, l)), res_l)(g)[0]), None
         return jax.lax.scan(body, acc, (jnp.arange(self.depth), res, kept))[0]
 
 
+@dataclasses.dataclass(frozen=True)
 class Whole:
     """Any stage function, as one vjp over the stage."""
 
-    def __init__(self, stage_fn: Callable, recompute: bool):
-        self.vjp, self.recompute = _Vjp(stage_fn), recompute
+    stage_fn: Callable
+    recompute: bool
 
-    def learn(self, params, x):
-        self.stored, self.stored_axes = shapes_and_axes(lambda: self.forward(params, 0, x)[1])
-        self.kept = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    def learn(self, params, x) -> Residuals:
+        """What F stores (traced on chunk 0) and what a split B keeps: the output gradient."""
+        def stored():
+            if self.recompute:
+                return self.forward(params, 0, x)[1], None
+            return split_vjp(self.stage_fn, read(params, (0,)), x)[1:]
+        return _learn(stored, jax.ShapeDtypeStruct(x.shape, x.dtype))
 
-    def forward(self, params, c, x):
+    def forward(self, params, c, x) -> tuple[jax.Array, list]:
         chunk = read(params, (c,))
         if self.recompute:
-            return self.vjp.fn(chunk, x), [x]
-        return self.vjp.forward(chunk, x)
+            return self.stage_fn(chunk, x), [x]
+        return split_vjp(self.stage_fn, chunk, x)[:2]
 
-    def _pullback(self, params, c, stored):
+    def _pullback(self, params, c, stored, layout) -> Callable:
         chunk = read(params, (c,))
         if self.recompute:
-            return jax.vjp(self.vjp.fn, chunk, stored[0])[1]
-        return self.vjp.rebuild(chunk, stored)
+            return jax.vjp(self.stage_fn, chunk, stored[0])[1]
+        return join_vjp(layout, chunk, stored)
 
-    def backward(self, params, c, stored, g, acc, *, weights: bool):
-        d_chunk, dx = self._pullback(params, c, stored)(g)
+    def backward(self, params, c, stored, g, acc, *, weights: bool, layout: VjpLayout | None):
+        d_chunk, dx = self._pullback(params, c, stored, layout)(g)
         return dx, add(acc, (c,), d_chunk) if weights else acc, g
 
-    def weight(self, params, c, stored, kept, acc):
-        return add(acc, (c,), self._pullback(params, c, stored)(kept)[0])
+    def weight(self, params, c, stored, kept, acc, *, layout: VjpLayout | None):
+        return add(acc, (c,), self._pullback(params, c, stored, layout)(kept)[0])

@@ -1,10 +1,13 @@
 """The static half of the pipeline runtime: a Schedule turned into integer tables.
 
 `plan(schedule)` reads the schedule's table once, in Python, and writes for every step and
-device what the SPMD program must do: which branch of the `lax.switch` runs (idle, F of a
-chunk, F of the last stage with the loss, B, W), which microbatch, which buffer slot holds
-its input, where its residuals go, and where its output lands on the receiving device.
-The runtime (`runtime.py`) only indexes these tables with `lax.axis_index("pp")`.
+device what the SPMD program must do (a `Row`): which branch of the `lax.switch` runs
+(idle, F of a chunk, F of the last stage with the loss, B, W), which microbatch, which
+buffer slot holds its input, where its residuals go, and where its output lands on the
+receiving device. It does so in four phases: place each action at a step (`_place`),
+route each output to the device and buffer that consume it (`_route`), allocate the
+buffers' slots (`_allocate_slots`) and write the table (`_write_table`). The program
+(`program.py`) only indexes the table with `lax.axis_index("pp")`.
 
 SPMD devices move in lockstep: a step lasts as long as its slowest device. A step therefore
 has two lanes per device, a backward lane (B or W) and then a forward lane (F), so that in
@@ -39,24 +42,61 @@ entries a device ever holds at once:
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
 from jaxpar.pipeline.schedule import Schedule
 
 LANES = ("B", "F")  # run in this order within a step: B frees a slot that F may take
-# fields of one table entry (step, device). A receive field {lane}_{channel}_{buffer} is the
-# slot where that lane's output lands: channel local (the device's own), from_left (sent
-# right by d - 1) or from_right (sent left by d + 1), buffer x or g.
-FIELDS = ("f_branch", "f_chunk", "f_microbatch", "from_batch", "x_read", "res_write",
-          "b_branch", "b_microbatch", "b_chunk", "g_read", "res_read", "gw_write", "dx_write",
-          "F_local_x", "F_from_left_x", "F_from_right_x", "F_local_g",
-          "B_local_g", "B_from_left_g", "B_from_right_g")
-F = {name: i for i, name in enumerate(FIELDS)}
-F_BRANCHES = ("idle", "F", "F_last")   # f_branch: F_last is F of the last stage, with the loss
-B_BRANCHES = ("idle", "B", "W")        # b_branch; the chunk is f_chunk / b_chunk
+F_BRANCHES = ("idle", "F", "F_last")   # Row.f_branch: F_last is F of the last stage, with the loss
+B_BRANCHES = ("idle", "B", "W")        # Row.b_branch
 # the named scopes of the program's branches, innermost first (program.py; lane_runs)
 LANE_SCOPES = ("pipeline_first", "pipeline_loss", "pipeline_first_backward", "pipeline_F", "pipeline_B", "pipeline_W")
+
+
+class Row(NamedTuple):
+    """One entry of `Plan.table`: what one device does at one step. Each field is an int
+    here and an int32 scalar in the program, which reads its device's row of the step's
+    table with `lax.axis_index("pp")`. A slot indexes a buffer (`x`, `g`, `res`, `gw`),
+    whose last slot is the trash slot: a write with nothing to write goes there."""
+
+    # the forward lane
+    f_branch: int       # F_BRANCHES index: idle, F, or F of the last stage and the loss
+    f_chunk: int        # the chunk F runs
+    f_microbatch: int   # the microbatch F runs
+    from_batch: int     # 1: F's input is its microbatch of the batch (stage 0); 0: x[x_read]
+    x_read: int         # the slot of x that holds F's input
+    res_write: int      # the slot of res that F's residuals go to
+    # the backward lane
+    b_branch: int       # B_BRANCHES index: idle, B or W
+    b_microbatch: int   # the microbatch B or W runs
+    b_chunk: int        # the chunk B or W runs
+    g_read: int         # the slot of g that holds B's output gradient
+    res_read: int       # the slot of res that holds the residuals of B's (or W's) F
+    gw_write: int       # the slot of gw where a split B keeps its output gradients for W
+    dx_write: int       # the microbatch whose d loss / d inputs B gives (stage 0); m: none
+    # deliveries, {lane}_{channel}_{buffer}: the slot where that lane's output lands, by
+    # channel: local (this device's own), from_left (sent right by d - 1), from_right
+    # (sent left by d + 1); buffer x (an activation) or g (an output gradient)
+    F_local_x: int
+    F_from_left_x: int
+    F_from_right_x: int
+    F_local_g: int      # the loss gradient of the last stage, for its own B
+    B_local_g: int
+    B_from_left_g: int
+    B_from_right_g: int
+
+
+FIELDS: dict[str, int] = {name: column for column, name in enumerate(Row._fields)}   # field -> table column
+DELIVERY_FIELDS = Row._fields[FIELDS["F_local_x"]:]
+
+
+def delivery_field(lane: str, direction: str | None, buffer: str) -> str:
+    """The Row field where `lane`'s output lands in `buffer` when it moves `direction`
+    (right, left, or None: it stays on the device)."""
+    channel = "local" if direction is None else "from_left" if direction == "right" else "from_right"
+    return f"{lane}_{channel}_{buffer}"
 
 
 def scope(lane: str, direction: str) -> str:
@@ -66,11 +106,11 @@ def scope(lane: str, direction: str) -> str:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
-    """schedule's tables: `table[step, device, field]` (FIELDS), slot counts, the schedule
-    tick each step starts at; `sends` the (lane, direction) channels the schedule uses and
-    `flags[step, channel]` whether that channel sends at that step; `pairs[lane,
-    direction]` the (source, destination) devices of its ppermute; `channels` the
-    receive fields used."""
+    """schedule's tables: `table[step, device, column]` (a `Row` per step and device,
+    columns `FIELDS`), slot counts, the schedule tick each step starts at; `sends` the
+    (lane, direction) channels the schedule uses and `flags[step, channel]` whether that
+    channel sends at that step; `pairs[lane, direction]` the (source, destination)
+    devices of its ppermute; `channels` the delivery fields used."""
 
     schedule: Schedule
     table: np.ndarray
@@ -105,14 +145,112 @@ class Plan:
 
     def lane_runs(self, device: int) -> dict[str, int]:
         """{scope of LANE_SCOPES: steps in which that branch runs on pp rank `device`}."""
-        rows = self.table[:, device]
-        f, b = rows[:, F["f_branch"]], rows[:, F["b_branch"]]
-        m = self.schedule.microbatches
-        return {"pipeline_F": int((f > 0).sum()), "pipeline_first": int(((f > 0) & (rows[:, F["from_batch"]] > 0)).sum()),
+        rows = Row(*self.table[:, device].T)   # each field: [steps]
+        f, b, m = rows.f_branch, rows.b_branch, self.schedule.microbatches
+        backward = b == B_BRANCHES.index("B")
+        return {"pipeline_F": int((f > 0).sum()), "pipeline_first": int(((f > 0) & (rows.from_batch > 0)).sum()),
                 "pipeline_loss": int((f == F_BRANCHES.index("F_last")).sum()),
-                "pipeline_B": int((b == B_BRANCHES.index("B")).sum()), "pipeline_W": int((b == B_BRANCHES.index("W")).sum()),
-                "pipeline_first_backward": int(((b == B_BRANCHES.index("B")) & (rows[:, F["dx_write"]] < m)).sum())}
+                "pipeline_B": int(backward.sum()), "pipeline_W": int((b == B_BRANCHES.index("W")).sum()),
+                "pipeline_first_backward": int((backward & (rows.dx_write < m)).sum())}
 
+
+def plan(s: Schedule) -> Plan:
+    """The tables for schedule `s` (validated first: a table that cannot run raises
+    ScheduleError, a ValueError), in four phases: place each action at a step, route each
+    output to the device and buffer that consume it, allocate the buffers' slots, and
+    write the table."""
+    s.validate()
+    at, ticks = _place(s)
+    deliveries, transfers = _route(s, at)
+    slots = _allocate_slots(s, at, deliveries)
+    table = _write_table(s, at, deliveries, slots, steps=len(ticks))
+    sends, flags, pairs = _channels(transfers, steps=len(ticks))
+    return Plan(schedule=s, table=table, ticks=tuple(ticks), n_x=slots.counts["x"], n_g=slots.counts["g"],
+                n_res=slots.counts["res"], sends=sends, flags=flags, pairs=pairs,
+                channels=frozenset(d.field for d in deliveries), transfers=len(transfers))
+
+
+# ---- the four phases ----------------------------------------------------------------------
+
+def _lane(kind: str) -> str:
+    return "F" if kind == "F" else "B"
+
+
+def _place(s: Schedule) -> tuple[dict, list[int]]:
+    """Phase 1: the step of every action, {(kind, microbatch, stage): step}, and the tick
+    each step starts at. Actions are taken in tick order; each goes to the earliest step
+    after its inputs' (data moves at the end of a step) and after the action before it on
+    its device, or beside it when that one is a B or W and this an F."""
+    step: dict = {}
+    previous: dict[int, tuple[str, int]] = {}   # device -> (lane, step) of its last action
+    ticks: dict[int, int] = {}
+    for t, d, a in sorted((t, d, a) for d in range(s.stages) for t, a in s.program(d)):
+        lane = _lane(a.kind)
+        j = 1 + max((step[key] for key in s.inputs(d, a)), default=-1)
+        if d in previous:
+            prev_lane, prev_step = previous[d]
+            j = max(j, prev_step if (prev_lane, lane) == ("B", "F") else prev_step + 1)
+        step[s._key(d, a)] = j
+        previous[d] = (lane, j)
+        ticks.setdefault(j, t)
+    return step, [ticks[j] for j in range(max(ticks) + 1)] if ticks else []
+
+
+class Delivery(NamedTuple):
+    """A lane's output landing in a buffer of the device that consumes it."""
+    device: int              # the receiving device
+    buffer: str              # x (an activation, for F) or g (an output gradient, for B)
+    key: tuple[int, int]     # (microbatch, stage) of the action that consumes it
+    arrives: int             # the step at whose end it lands
+    consumed: int            # the step at whose start it is read
+    field: str               # the Row field that names its slot
+
+
+class Transfer(NamedTuple):
+    """One device's output moving to a neighbour at the end of a step."""
+    step: int
+    lane: str
+    direction: str           # right: d -> d + 1 (wrapping); left: d -> d - 1
+    source: int
+    destination: int
+
+
+def _route(s: Schedule, at: dict) -> tuple[list[Delivery], set[Transfer]]:
+    """Phase 2: where every output goes. F's activation goes to the next stage's F (the
+    last stage's loss gradient stays for its own B); B's input gradient to the previous
+    stage's B (stage 0's goes nowhere: it is d loss / d inputs); W sends nothing. An
+    output for another device is a transfer to a neighbour."""
+    last = s.virtual_stages - 1
+    deliveries, transfers = [], set()
+    for d in range(s.stages):
+        for _, a in s.program(d):
+            k, i = s.stage_of(d, a.chunk), a.microbatch
+            j = at[a.kind, i, k]
+            if a.kind == "F" and k == last:
+                deliveries.append(Delivery(d, "g", (i, k), j, at["B", i, k], delivery_field("F", None, "g")))
+                continue
+            if a.kind == "F":
+                target, buffer, lane = k + 1, "x", "F"
+            elif a.kind == "B" and k > 0:
+                target, buffer, lane = k - 1, "g", "B"
+            else:
+                continue
+            receiver, direction = s.device_of(target)[0], None
+            if receiver != d:
+                right, left = receiver == (d + 1) % s.stages, receiver == (d - 1) % s.stages
+                # p = 2: both neighbours are one device; activations go right, gradients left
+                direction = "right" if right and (lane == "F" or not left) else "left"
+                transfers.add(Transfer(j, lane, direction, d, receiver))
+            consumed = at["F" if buffer == "x" else "B", i, target]
+            deliveries.append(Delivery(receiver, buffer, (i, target), j, consumed,
+                                       delivery_field(lane, direction, buffer)))
+    return deliveries, transfers
+
+
+class Slots(NamedTuple):
+    """Phase 3's result: the slot of every buffered value and each buffer's slot count."""
+    where: dict    # (device, buffer, (microbatch, stage)) -> slot; buffer x, g or res
+    counts: dict   # buffer -> slots: the most entries one device ever holds at once
 
 
 def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
@@ -129,116 +267,72 @@ def _allocate(intervals: list[tuple[int, int, object]]) -> tuple[dict, int]:
     return where, len(free_at)
 
 
-def _lane(kind: str) -> str:
-    return "F" if kind == "F" else "B"
+def _allocate_slots(s: Schedule, at: dict, deliveries: list[Delivery]) -> Slots:
+    """Phase 3: slots for x and g (from the step a delivery lands to the step it is read)
+    and res (from F to its B, or to its W when the backward is split), on each device."""
+    where, counts = {}, {"x": 0, "g": 0, "res": 0}
+    for buffer in ("x", "g"):
+        for d in range(s.stages):
+            slot, n = _allocate([(v.arrives, v.consumed, v.key) for v in deliveries
+                                 if v.device == d and v.buffer == buffer])
+            where.update({(d, buffer, key): j for key, j in slot.items()})
+            counts[buffer] = max(counts[buffer], n)
+    freed_by = "W" if s.split_backward else "B"
+    for d in range(s.stages):
+        keys = [(a.microbatch, s.stage_of(d, a.chunk)) for _, a in s.program(d) if a.kind == "F"]
+        slot, n = _allocate([(at["F", i, k], at[freed_by, i, k], (i, k)) for i, k in keys])
+        where.update({(d, "res", key): j for key, j in slot.items()})
+        counts["res"] = max(counts["res"], n)
+    return Slots(where=where, counts=counts)
 
 
-def _steps(s: Schedule) -> tuple[dict, list[int]]:
-    """Step of every action (kind, microbatch, stage), and the tick each step starts at."""
-    step: dict = {}
-    prev: dict[int, tuple[str, int]] = {}
-    order = sorted((t, d, a) for d in range(s.stages) for t, a in s.program(d))
-    ticks: dict[int, int] = {}
-    for t, d, a in order:
-        lane = _lane(a.kind)
-        j = 1 + max((step[key] for key in s.inputs(d, a)), default=-1)
-        if d in prev:
-            p_lane, p_step = prev[d]
-            j = max(j, p_step if (p_lane, lane) == ("B", "F") else p_step + 1)
-        step[s._key(d, a)] = j
-        prev[d] = (lane, j)
-        ticks.setdefault(j, t)
-    return step, [ticks[j] for j in range(max(ticks) + 1)] if ticks else []
-
-
-def plan(s: Schedule) -> Plan:
-    """The tables for schedule `s` (validated first: a table that cannot run raises
-    ScheduleError, a ValueError)."""
-    s.validate()
-    p, m, last = s.stages, s.microbatches, s.virtual_stages - 1
-    at, ticks = _steps(s)
-
-    # Deliveries: (receiver, buffer, key (i, stage), arrival step, consume step, field)
-    deliveries, sends = [], set()  # sends: (step, lane, direction, src, dst)
-    for d in range(p):
-        for _, a in s.program(d):
-            k, i = s.stage_of(d, a.chunk), a.microbatch
-            j = at["F" if a.kind == "F" else a.kind, i, k]
-            if a.kind == "F" and k == last:  # the loss gradient stays here for this stage's B
-                deliveries.append((d, "g", (i, k), j, at["B", i, k], "F_local_g"))
-                continue
-            if a.kind == "F":
-                target, buf, lane = k + 1, "x", "F"
-            elif a.kind == "B" and k > 0:
-                target, buf, lane = k - 1, "g", "B"
-            else:
-                continue
-            consume = at["F" if buf == "x" else "B", i, target]
-            dd = s.device_of(target)[0]
-            if dd == d:
-                ch = "local"
-            else:
-                right, left = dd == (d + 1) % p, dd == (d - 1) % p
-                # p = 2: both neighbours are one device; activations go right, gradients left
-                direction = "right" if right and (lane == "F" or not left) else "left"
-                sends.add((j, lane, direction, d, dd))
-                ch = "from_left" if direction == "right" else "from_right"
-            deliveries.append((dd, buf, (i, target), j, consume, f"{lane}_{ch}_{buf}"))
-
-    slots, n = {}, {}
-    for buf in ("x", "g"):
-        n[buf] = 0
-        for d in range(p):
-            where, c = _allocate([(a, c, key) for dd, b, key, a, c, _ in deliveries if dd == d and b == buf])
-            slots.update({(d, buf, key): w for key, w in where.items()})
-            n[buf] = max(n[buf], c)
-    res_slot, n_res = {}, 0
-    for d in range(p):
-        ivs = [(at["F", a.microbatch, s.stage_of(d, a.chunk)],
-                at["W" if s.split_backward else "B", a.microbatch, s.stage_of(d, a.chunk)],
-                (a.microbatch, s.stage_of(d, a.chunk))) for _, a in s.program(d) if a.kind == "F"]
-        where, c = _allocate(ivs)
-        res_slot.update({(d, key): w for key, w in where.items()})
-        n_res = max(n_res, c)
-
-    table = np.zeros((len(ticks), p, len(FIELDS)), np.int32)
-    for name in FIELDS[FIELDS.index("F_local_x"):]:
-        table[:, :, F[name]] = n[name[-1]]              # the trash slot
-    table[:, :, F["res_write"]] = table[:, :, F["gw_write"]] = n_res
-    table[:, :, F["dx_write"]] = m
-    for d in range(p):
+def _write_table(s: Schedule, at: dict, deliveries: list[Delivery], slots: Slots, *, steps: int) -> np.ndarray:
+    """Phase 4: the table [step, device, column]. Every entry starts idle, its writes to
+    the trash slots (and dx_write = m: no input gradient); then each action fills its
+    lane's fields at its step, and each delivery its slot on the receiving device."""
+    table = np.zeros((steps, s.stages, len(FIELDS)), np.int32)
+    for name in DELIVERY_FIELDS:
+        table[:, :, FIELDS[name]] = slots.counts[name[-1]]
+    table[:, :, FIELDS["res_write"]] = table[:, :, FIELDS["gw_write"]] = slots.counts["res"]
+    table[:, :, FIELDS["dx_write"]] = s.microbatches
+    last = s.virtual_stages - 1
+    for d in range(s.stages):
         for _, a in s.program(d):
             i, c = a.microbatch, a.chunk
             k = s.stage_of(d, c)
-            row = table[at[a.kind, i, k], d]
+            row, res = table[at[a.kind, i, k], d], slots.where[d, "res", (i, k)]
             if a.kind == "F":
-                row[F["f_branch"]] = F_BRANCHES.index("F_last" if k == last else "F")
-                row[F["f_chunk"]], row[F["f_microbatch"]], row[F["res_write"]] = c, i, res_slot[d, (i, k)]
-                if k == 0:
-                    row[F["from_batch"]] = 1
-                else:
-                    row[F["x_read"]] = slots[d, "x", (i, k)]
+                _set(row, f_branch=F_BRANCHES.index("F_last" if k == last else "F"), f_chunk=c, f_microbatch=i,
+                     res_write=res)
+                _set(row, **({"from_batch": 1} if k == 0 else {"x_read": slots.where[d, "x", (i, k)]}))
                 continue
-            row[F["b_branch"]] = B_BRANCHES.index(a.kind)
-            row[F["b_microbatch"]], row[F["b_chunk"]], row[F["res_read"]] = i, c, res_slot[d, (i, k)]
+            _set(row, b_branch=B_BRANCHES.index(a.kind), b_microbatch=i, b_chunk=c, res_read=res)
             if a.kind == "B":
-                row[F["g_read"]] = slots[d, "g", (i, k)]
+                _set(row, g_read=slots.where[d, "g", (i, k)])
                 if s.split_backward:
-                    row[F["gw_write"]] = res_slot[d, (i, k)]
+                    _set(row, gw_write=res)
                 if k == 0:
-                    row[F["dx_write"]] = i
-    for dd, buf, key, j, _, field in deliveries:
-        table[j, dd, F[field]] = slots[dd, buf, key]
+                    _set(row, dx_write=i)
+    for v in deliveries:
+        table[v.arrives, v.device, FIELDS[v.field]] = slots.where[v.device, v.buffer, v.key]
+    return table
 
-    used = tuple(sorted({(lane, direction) for _, lane, direction, _, _ in sends}))
-    flags = np.zeros((len(ticks), len(used)), bool)
-    pairs = {}
-    for j, lane, direction, src, dst in sends:
-        flags[j, used.index((lane, direction))] = True
-        pairs.setdefault((lane, direction), set()).add((src, dst))
-    return Plan(schedule=s, table=table, ticks=tuple(ticks), n_x=n["x"], n_g=n["g"], n_res=n_res,
-                sends=used, flags=flags, pairs={k: tuple(sorted(v)) for k, v in pairs.items()},
-                channels=frozenset(field for *_, field in deliveries), transfers=len(sends))
+
+def _set(row: np.ndarray, **fields: int) -> None:
+    for name, value in fields.items():
+        row[FIELDS[name]] = value
+
+
+def _channels(transfers: set[Transfer], *, steps: int) -> tuple[tuple, np.ndarray, dict]:
+    """The (lane, direction) channels the transfers use, sorted; flags[step, channel]:
+    whether any device sends on it at that step; each channel's (source, destination) pairs."""
+    sends = tuple(sorted({(t.lane, t.direction) for t in transfers}))
+    flags = np.zeros((steps, len(sends)), bool)
+    pairs: dict = {}
+    for t in transfers:
+        flags[t.step, sends.index((t.lane, t.direction))] = True
+        pairs.setdefault((t.lane, t.direction), set()).add((t.source, t.destination))
+    return sends, flags, {k: tuple(sorted(v)) for k, v in pairs.items()}
 
 
 def ascii_steps(pl: Plan) -> str:
@@ -248,14 +342,11 @@ def ascii_steps(pl: Plan) -> str:
     s, t = pl.schedule, pl.table
 
     def cell(j: int, d: int) -> str:
-        e = t[j, d]
-        out = ""
-        kind, c = B_BRANCHES[e[F["b_branch"]]], e[F["b_chunk"]]
-        if kind != "idle":
-            out += f"{kind}{e[F['b_microbatch']]}" + (f".{c}" if c else "")
-        kind, c = F_BRANCHES[e[F["f_branch"]]], e[F["f_chunk"]]
-        if kind != "idle":
-            out += f"F{e[F['f_microbatch']]}" + (f".{c}" if c else "")
+        row, out = Row(*t[j, d]), ""
+        if row.b_branch:
+            out += f"{B_BRANCHES[row.b_branch]}{row.b_microbatch}" + (f".{row.b_chunk}" if row.b_chunk else "")
+        if row.f_branch:
+            out += f"F{row.f_microbatch}" + (f".{row.f_chunk}" if row.f_chunk else "")
         return out or "."
 
     cells = [[cell(j, d) for j in range(pl.steps)] for d in range(s.stages)]

@@ -24,33 +24,39 @@ embedding of token ids) and, with `last_params`, `loss_fn(last_params, y, target
 the last (e.g. the LM head and the vocab-parallel cross-entropy): both inside the
 pipeline, their gradients returned in Grads.first / Grads.last.
 
-`run` builds the step once per (schedule, functions, shapes, dtypes, mesh, options) and
-caches it, as `jax.jit` does; `pipeline(...)` / `run_pipeline(pipe, ...)` hold it yourself.
+Everything a step is built from is one frozen `Request`, checked once:
+`request(schedule, stage_fn, params, batch, mesh=m, ...)` (`request.py`). `local(req)` is
+the per-device program, `pipeline(req)` its jitted shard_map (both also take the
+request's arguments and build it), and `run` builds the step once per Request and keeps
+it in an LRU cache, as `jax.jit` does; `pipeline` / `run_pipeline(pipe, ...)` hold it
+yourself.
 `baseline.gpipe_baseline` is the simple alternative (the JAX shard_map docs, MaxText): a
 forward-only scanned pipeline differentiated by autodiff, whose memory grows with m.
 """
 
 from __future__ import annotations
 
-import collections
-import math
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.mesh import PP, axis_size
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import PP
 from jaxpar.pipeline import passes as passes_lib
 from jaxpar.pipeline import plan as plan_lib
+from jaxpar.pipeline import request as request_lib
 from jaxpar.pipeline.program import Program
+from jaxpar.pipeline.request import Request
 from jaxpar.pipeline.schedule import Schedule
-from jaxpar.pipeline.stage import (Grads, check_shapes, from_stages, layers, mse, spec_axes, to_stages, validate,
-                                   validate_options)
+from jaxpar.pipeline.stage import Grads, from_stages, layers, mse, spec_axes, to_stages
 
-__all__ = ["Grads", "Local", "Pipeline", "from_stages", "layers", "local", "mse", "pipeline", "run", "run_pipeline",
-           "to_stages"]
+__all__ = ["Grads", "Local", "Pipeline", "Request", "from_stages", "layers", "local", "mse", "pipeline", "request",
+           "run", "run_pipeline", "to_stages"]
+
+request = request_lib.make   # runtime.request(schedule, stage_fn, params, batch, mesh=m, ...) -> Request
 
 
 class Pipeline(NamedTuple):
@@ -78,6 +84,16 @@ def staged(spec: P) -> P:
     return P(PP, None, None, *spec)
 
 
+def _as_request(first, args: tuple, options: dict) -> Request:
+    """`first` itself if it is a Request (nothing else given), else request(first, *args, **options)."""
+    if not isinstance(first, Request):
+        return request(first, *args, **options)
+    if args or options:
+        raise ConfigError("a Request carries its arguments and options: pass it alone, or the arguments "
+                          "(schedule, stage_fn, params, batch, mesh=..., ...) without it")
+    return first
+
+
 class Local(NamedTuple):
     """The per-device pipeline of one request, to call inside a shard_map over every axis
     (`pipeline` wraps it; a training step wraps it with its own reductions and update):
@@ -85,50 +101,33 @@ class Local(NamedTuple):
     grads, d inputs, first grads, last grads), the gradients not yet summed over the
     batch axes (`request.batch_axes`)."""
     program: Program
-    request: Any
+    request: Request
     plan: plan_lib.Plan
 
 
-def local(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn: Callable = mse,
-          recompute: bool = False, bubble_fill: float = 0.0, input_grads: bool | None = None,
-          param_specs=None, batch_spec: P | None = None, first_fn: Callable | None = None,
-          first_params=None, first_specs=None, last_params=None, last_specs=None) -> Local:
-    """Check everything (ConfigError before compiling) and build the per-device program."""
-    v = validate(schedule, stage_fn, params, batch, mesh, loss_fn, batch_spec=batch_spec, first_fn=first_fn,
-                 param_specs=param_specs, first_params=first_params, first_specs=first_specs,
-                 last_params=last_params, last_specs=last_specs, input_grads=input_grads)
-    validate_options(recompute=recompute, bubble_fill=bubble_fill)
-    plan = plan_lib.plan(schedule)
-    p, chunks, m = schedule.stages, schedule.chunks, schedule.microbatches
-    has_last = last_params is not None
-    loss_dtype = check_shapes(v, stage_fn, loss_fn, first_fn, has_last)
-    depth = v.n_layers // (p * chunks)
-    passes = (passes_lib.Stack(stage_fn.layer_fn, depth, recompute) if isinstance(stage_fn, layers)
-              else passes_lib.Whole(stage_fn, recompute))
-    shards = math.prod(axis_size(mesh, a) for a in v.batch_axes)
-    program = Program(plan=plan, passes=passes, loss_fn=loss_fn, first_fn=first_fn, last_params=has_last,
-                      axes=(PP, *v.batch_axes), scale=m * shards, fill=bubble_fill, loss_dtype=loss_dtype,
-                      input_grads=v.input_grads)
-    return Local(program=program, request=v, plan=plan)
+def local(request: Request | Schedule, *args, **options) -> Local:
+    """The per-device program of `request`: local(request), or local(schedule, stage_fn,
+    params, batch, mesh=..., ...) with `request`'s arguments, checked first (ConfigError
+    before compiling)."""
+    req = _as_request(request, args, options)
+    plan = plan_lib.plan(req.schedule)
+    passes = (passes_lib.Stack(req.stage_fn.layer_fn, req.depth, req.recompute) if isinstance(req.stage_fn, layers)
+              else passes_lib.Whole(req.stage_fn, req.recompute))
+    return Local(program=Program(request=req, plan=plan, passes=passes), request=req, plan=plan)
 
 
-def pipeline(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn: Callable = mse,
-             recompute: bool = False, bubble_fill: float = 0.0, input_grads: bool | None = None,
-             param_specs=None, batch_spec: P | None = None, first_fn: Callable | None = None,
-             first_params=None, first_specs=None, last_params=None, last_specs=None) -> Pipeline:
-    """Check everything (ConfigError before compiling) and build the jitted step; `params`,
-    `batch` and the first/last params may be arrays or ShapeDtypeStructs (only their
-    shapes are used)."""
-    built = local(schedule, stage_fn, params, batch, mesh=mesh, loss_fn=loss_fn, recompute=recompute,
-                  bubble_fill=bubble_fill, input_grads=input_grads, param_specs=param_specs,
-                  batch_spec=batch_spec, first_fn=first_fn, first_params=first_params, first_specs=first_specs,
-                  last_params=last_params, last_specs=last_specs)
-    v, plan, program, m = built.request, built.plan, built.program, schedule.microbatches
+def pipeline(request: Request | Schedule, *args, **options) -> Pipeline:
+    """The jitted step of `request`: pipeline(request), or pipeline(schedule, stage_fn,
+    params, batch, mesh=..., ...) with `request`'s arguments, checked first (ConfigError
+    before compiling; params, batch and the first/last params may be arrays or
+    ShapeDtypeStructs: only their shapes are used)."""
+    built = local(request, *args, **options)
+    req, plan, program, m = built.request, built.plan, built.program, built.request.schedule.microbatches
 
     def reduce(tree, specs):
         """Sum each leaf over the batch axes its spec does not split (once, at the end)."""
         def one(a, spec):
-            over = tuple(x for x in v.batch_axes if x not in spec_axes(spec))
+            over = tuple(x for x in req.batch_axes if x not in spec_axes(spec))
             return jax.lax.psum(a, over) if over else a
         return jax.tree.map(one, tree, specs)
 
@@ -137,82 +136,49 @@ def pipeline(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, los
         split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])  # [m, mb, ...]
         loss, grads, dx, g_first, g_last = program(params, split(inputs), split(targets), first_params,
                                                    last_params)
-        loss = jax.lax.psum(loss, v.batch_axes) if v.batch_axes else loss
-        grads, g_first, g_last = (reduce(grads, v.param_specs), reduce(g_first, v.first_specs),
-                                  reduce(g_last, v.last_specs))
-        dx = dx.reshape(-1, *dx.shape[2:])[None] if v.input_grads else None
+        loss = jax.lax.psum(loss, req.batch_axes) if req.batch_axes else loss
+        grads, g_first, g_last = (reduce(grads, req.param_specs), reduce(g_first, req.first_specs),
+                                  reduce(g_last, req.last_specs))
+        dx = dx.reshape(-1, *dx.shape[2:])[None] if req.input_grads else None
         lead = lambda t: jax.tree.map(lambda a: a[None], t)
         return loss[None], lead(grads), dx, lead(g_first), lead(g_last)
 
-    stage_specs = jax.tree.map(staged, v.param_specs)
+    stage_specs = jax.tree.map(staged, req.param_specs)
     edge = lambda specs: None if specs is None else jax.tree.map(lambda s: P(PP, *s), specs)
-    in_specs = (stage_specs, v.in_spec, v.target_spec, v.first_specs, v.last_specs)
-    out_specs = (P(PP), stage_specs, P(PP, *v.in_spec) if v.input_grads else None, edge(v.first_specs),
-                 edge(v.last_specs))
-    step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs),
-                   compiler_options=compiler_options(mesh))
-    return Pipeline(step=step, plan=plan, schedule=schedule, mesh=mesh)
+    in_specs = (stage_specs, req.in_spec, req.target_spec, req.first_specs, req.last_specs)
+    out_specs = (P(PP), stage_specs, P(PP, *req.in_spec) if req.input_grads else None, edge(req.first_specs),
+                 edge(req.last_specs))
+    step = jax.jit(jax.shard_map(per_device, mesh=req.mesh, in_specs=in_specs, out_specs=out_specs),
+                   compiler_options=compiler_options(req.mesh))
+    return Pipeline(step=step, plan=plan, schedule=req.schedule, mesh=req.mesh)
 
 
-# ---- the cache: one built step per request, as jax.jit keeps one per signature ----------
+# ---- run: the built step of the 32 most recently used requests, as jax.jit keeps one per signature
 
-_CACHE: collections.OrderedDict = collections.OrderedDict()
 CACHE_SIZE = 32
 
 
-def _signature(tree) -> tuple:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((tuple(jnp.shape(a)), str(jnp.result_type(a))) for a in leaves)
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _pipeline_lru(request: Request) -> Pipeline:
+    return pipeline(request)
 
 
-def _key(schedule, stage_fn, params, batch, mesh, options: dict) -> tuple:
-    s = schedule
-    table = (s.name, s.stages, s.microbatches, s.chunks, s.layout, s.split_backward,
-             tuple(sorted(s.costs.items())), tuple(tuple(row) for row in s.actions))
-    specs = {k: jax.tree.flatten(options[k], is_leaf=lambda x: isinstance(x, P)) for k in
-             ("param_specs", "first_specs", "last_specs", "batch_spec") if options.get(k) is not None}
-    arrays = (_signature(params), _signature(batch), _signature(options.get("first_params")),
-              _signature(options.get("last_params")))
-    plain = tuple((k, repr(val) if k == "bubble_fill" else val) for k, val in sorted(options.items())
-                  if k not in specs and k not in ("first_params", "last_params"))
-    return (table, stage_fn, arrays, mesh, plain, tuple((k, tuple(v[0]), v[1]) for k, v in sorted(specs.items())))
-
-
-def run(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn: Callable = mse,
-        recompute: bool = False, bubble_fill: float = 0.0, input_grads: bool | None = None, param_specs=None,
-        batch_spec: P | None = None, first_fn: Callable | None = None, first_params=None, first_specs=None,
-        last_params=None, last_specs=None) -> tuple[jax.Array, Grads]:
+def run(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, **options) -> tuple[jax.Array, Grads]:
     """Run one training step's forward and backward with `schedule` on `mesh` (axis pp,
     and any others): (loss, Grads(params, inputs, first, last)), equal to the unsharded
-    model's. The built step is cached (by schedule, functions, shapes, dtypes, mesh and
-    options), so a loop compiles once.
-
-    batch = (inputs [B, ...], targets [B, ...]); B splits over batch_spec's first entry
-    (dp), then into microbatches.
-    recompute: keep only each stage's input between F and B and run the forward again.
-    bubble_fill: the value unused buffer slots start with (NaN checks nothing reads them).
-    input_grads: also return d loss / d inputs (default: when they are floating point).
-    param_specs, first_specs, last_specs: PartitionSpecs over the non-pp axes (param_specs
-    for one layer, without the layer axis); default replicated.
-    first_fn, first_params, last_params: see the module docstring."""
-    options = dict(loss_fn=loss_fn, recompute=recompute, bubble_fill=bubble_fill, input_grads=input_grads,
-                   param_specs=param_specs, batch_spec=batch_spec, first_fn=first_fn, first_params=first_params,
-                   first_specs=first_specs, last_params=last_params, last_specs=last_specs)
+    model's. `options` are `request`'s (loss_fn, recompute, bubble_fill, input_grads,
+    param_specs, batch_spec, first_fn, first_params, first_specs, last_params,
+    last_specs). The step is built once per Request (schedule, functions, shapes, dtypes,
+    mesh, specs, options) and kept in an LRU cache of CACHE_SIZE, so a loop compiles once."""
+    req = request(schedule, stage_fn, params, batch, mesh=mesh, **options)
     try:
-        key = _key(schedule, stage_fn, params, batch, mesh, options)
-        hash(key)
-    except (TypeError, ValueError, AttributeError):
-        key = None  # something unhashable or malformed: pipeline() says what is wrong
-    pipe = _CACHE.get(key) if key is not None else None
-    if pipe is None:
-        pipe = pipeline(schedule, stage_fn, params, batch, mesh=mesh, **options)
-        if key is not None:
-            _CACHE[key] = pipe
-            while len(_CACHE) > CACHE_SIZE:
-                _CACHE.popitem(last=False)
+        hash(req)
+    except TypeError:   # an unhashable function or option: built each call
+        pipe = pipeline(req)
     else:
-        _CACHE.move_to_end(key)
-    return run_pipeline(pipe, params, batch, first_params=first_params, last_params=last_params)
+        pipe = _pipeline_lru(req)
+    return run_pipeline(pipe, params, batch, first_params=options.get("first_params"),
+                        last_params=options.get("last_params"))
 
 
 def run_pipeline(pipe: Pipeline, params, batch, *, first_params=None, last_params=None) -> tuple[jax.Array, Grads]:
@@ -228,5 +194,4 @@ def run_pipeline(pipe: Pipeline, params, batch, *, first_params=None, last_param
 
 def cache_clear() -> None:
     """Forget every built step."""
-    _CACHE.clear()
-
+    _pipeline_lru.cache_clear()

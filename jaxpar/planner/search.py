@@ -185,9 +185,10 @@ def evaluate(model: Model, cluster: Cluster, cand: Candidate, *, tokens, seq: in
 
     st = states.state_bytes(dense=model.dense_params, experts=model.expert_params, tp=c.tp, pp=c.pp, dp=c.dp,
                             ep=c.ep, zero=zero)
-    act = activations.first_stage_bytes(block(model, activation_model), layers=model.layers, seq=seq, batch=c.microbatch, tp=c.tp,
-                                        sp=c.tp > 1, cp=c.cp, recompute=c.recompute, pp=c.pp,
-                                        in_flight=pipeline_formulas.in_flight(c.schedule, p=c.pp, m=m, v=c.chunks))
+    in_flight = pipeline_formulas.in_flight(c.schedule, p=c.pp, m=m, v=c.chunks)
+    act = activations.first_stage_bytes(block(model, activation_model), layers=model.layers, seq=seq,
+                                        batch=c.microbatch, tp=c.tp, sp=c.tp > 1, cp=c.cp, recompute=c.recompute,
+                                        pp=c.pp, in_flight=in_flight)
     memory = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": act}
     memory["total"] = sum(memory.values())
     if memory["total"] > gpu.memory:

@@ -318,7 +318,7 @@ def test_plan_carries_every_send_in_peak_residual_slots(name):
         assert {k: set(v) for k, v in plan.pairs.items()} == oracles.channel_pairs(name, p, s.chunks), (name, p, m)
         assert plan.n_res == max(s.peak_in_flight), (name, p, m)
         # every (step, device) of the table is one of the schedule's actions or idle, once each
-        runs = sum(int(plan.table[j, d, plan_lib.F[f]] > 0)
+        runs = sum(int(plan.table[j, d, plan_lib.FIELDS[f]] > 0)
                    for j in range(plan.steps) for d in range(p) for f in ("f_branch", "b_branch"))
         assert runs == sum(len(s.program(d)) for d in range(p)), (name, p, m)
         if p == 1:

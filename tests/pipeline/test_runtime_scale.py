@@ -94,6 +94,24 @@ def test_run_caches_the_built_step(monkeypatch):
     assert len(builds) == 3
 
 
+def test_a_request_is_checked_once_and_keys_the_cache():
+    """runtime.request checks and keeps shapes only; requests that build the same program
+    are equal and hash alike (the schedule by its table, functions by identity, NaN fill
+    by its repr), any other option makes another; a Request is passed alone. Nothing compiles."""
+    params, batch = stage.mlp_params(2, WIDTH), stage.mlp_batch(4, WIDTH)
+    req = lambda **kw: runtime.request(schedule.make("1f1b", stages=2, microbatches=2), stage.mlp_stage,
+                                       kw.pop("params", params), batch, mesh=pp_mesh(2), **kw)
+    one = req()
+    assert one == req(params=jax.tree.map(lambda a: a * 2, params)) and hash(one) == hash(req())
+    assert req(bubble_fill=float("nan")) == req(bubble_fill=float("nan")) != one
+    assert len({one, req(recompute=True), req(input_grads=False), req(loss_fn=lambda y, t: jnp.mean(y - t))}) == 4
+    assert jax.tree.leaves(one.params) == [jax.ShapeDtypeStruct((2, WIDTH), jnp.float32),
+                                           jax.ShapeDtypeStruct((2, WIDTH, WIDTH), jnp.float32)]
+    assert (one.n_layers, one.depth, one.batch_axes, one.input_grads, one.scale) == (2, 1, (), True, 2)
+    with pytest.raises(ConfigError, match="a Request carries its arguments and options: pass it alone"):
+        runtime.pipeline(one, recompute=True)
+
+
 def test_guarded_permutes_are_counted_exactly():
     """The compiled program holds one guarded ppermute per channel; comms.resolve turns
     its upper bound (every step) into the plan's count, and refuses a count above it."""

@@ -1,0 +1,355 @@
+"""One pipeline step, asked for and checked once: the `Request` that `runtime.local`,
+`runtime.pipeline` and `runtime.run` build from, and that `run`'s cache is keyed by.
+
+    req = runtime.request(schedule, stage_fn, params, batch, mesh=m, recompute=True)
+    pipe = runtime.pipeline(req)                    # or runtime.local(req) inside your own shard_map
+
+`make(...)` (`runtime.request`) refuses, with a ConfigError naming the value, the
+constraint and a fix, anything the schedule cannot run on the mesh with these functions,
+shapes and specs, before anything compiles. It keeps shapes only: params, batch and the
+first/last params may be arrays or ShapeDtypeStructs. The request then holds what the
+checks found: the layer count, the axes the batch is split over, every PartitionSpec
+(one per leaf, the axes of one device dropped), the per-device shapes and the loss dtype.
+Two requests are equal, and hash alike, when they build the same program: the same
+schedule table, functions (by identity), shapes, dtypes, mesh, specs and options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import errors
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import DP, PP, axis_size, require_mesh
+from jaxpar.pipeline.schedule import Schedule
+from jaxpar.pipeline.stage import mse, spec_axes
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class Request:
+    """A checked request for one pipeline step (build it with `make`).
+
+    Asked for: the schedule, stage_fn(stage_params, x) -> y, the mesh, loss_fn (y,
+    targets) -> scalar or, with last_params, (last_params, y, targets) -> scalar,
+    first_fn(first_params, inputs) -> activation (or None), recompute, bubble_fill (what
+    unused slots start with), input_grads (whether d loss / d inputs is returned).
+    Shapes (global ShapeDtypeStruct trees): params [L, ...] leaves, inputs and targets
+    [B, ...], first_params and last_params (or None).
+    Specs over the non-pp axes, one PartitionSpec per leaf: param_specs (one layer,
+    without its layer axis), first_specs, last_specs, in_spec and target_spec.
+    Found: n_layers, batch_axes (the axes of more than one device the batch is split
+    over), loss_dtype, and `local`, the per-device shapes: params, first, last, one
+    microbatch's inputs and targets, one stage's params."""
+
+    schedule: Schedule
+    stage_fn: Callable
+    mesh: Mesh
+    loss_fn: Callable
+    first_fn: Callable | None
+    recompute: bool
+    bubble_fill: float
+    input_grads: bool
+    params: Any
+    inputs: jax.ShapeDtypeStruct
+    targets: jax.ShapeDtypeStruct
+    first_params: Any
+    last_params: Any
+    param_specs: Any
+    first_specs: Any
+    last_specs: Any
+    in_spec: P
+    target_spec: P
+    n_layers: int
+    batch_axes: tuple[str, ...]
+    loss_dtype: Any
+    local: dict
+
+    @property
+    def has_last(self) -> bool:
+        """Whether the loss takes its own parameters (loss_fn(last_params, y, targets))."""
+        return self.last_params is not None
+
+    @property
+    def depth(self) -> int:
+        """Layers per chunk: L / (p v)."""
+        return self.n_layers // self.schedule.virtual_stages
+
+    @property
+    def activation_axes(self) -> tuple[str, ...]:
+        """The axes activations (and, in the program, the parameters) vary over: pp and
+        the batch axes."""
+        return (PP, *self.batch_axes)
+
+    @property
+    def scale(self) -> int:
+        """Microbatches x batch shards: the loss is the mean of that many microbatch losses."""
+        return self.schedule.microbatches * math.prod(axis_size(self.mesh, a) for a in self.batch_axes)
+
+    @functools.cached_property
+    def key(self) -> tuple:
+        """What the program depends on: `==` and `hash` compare it."""
+        s = self.schedule
+        table = (s.name, s.stages, s.microbatches, s.chunks, s.layout, s.split_backward,
+                 tuple(sorted(s.costs.items())), tuple(tuple(row) for row in s.actions))
+        shapes = tuple(_frozen(t) for t in (self.params, self.inputs, self.targets, self.first_params,
+                                            self.last_params))
+        specs = tuple(_frozen(t, spec=True) for t in (self.param_specs, self.first_specs, self.last_specs,
+                                                      self.in_spec, self.target_spec))
+        return (table, self.stage_fn, self.loss_fn, self.first_fn, self.mesh, self.recompute,
+                repr(self.bubble_fill), self.input_grads, shapes, specs)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Request) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+
+def _frozen(tree, spec: bool = False) -> tuple:
+    is_p = (lambda x: isinstance(x, P)) if spec else None
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_p)
+    return treedef, tuple(a if spec else (tuple(a.shape), str(a.dtype)) for a in leaves)
+
+
+def _shapes(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(jnp.shape(a)), jnp.result_type(a)), tree)
+
+
+def make(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn: Callable = mse,
+         recompute: bool = False, bubble_fill: float = 0.0, input_grads: bool | None = None,
+         param_specs=None, batch_spec: P | tuple | None = None, first_fn: Callable | None = None,
+         first_params=None, first_specs=None, last_params=None, last_specs=None) -> Request:
+    """Check everything (ConfigError before compiling) and return the Request.
+
+    batch = (inputs [B, ...], targets [B, ...]); B splits over batch_spec's first entry
+    (default P("dp"); a pair of specs for inputs and targets), then into microbatches.
+    recompute: keep only each stage's input between F and B and run the forward again.
+    bubble_fill: the value unused buffer slots start with (NaN checks nothing reads them).
+    input_grads: also return d loss / d inputs (default: when they are floating point).
+    param_specs, first_specs, last_specs: PartitionSpecs over the non-pp axes (param_specs
+    for one layer, without the layer axis); default replicated.
+    first_fn, first_params, last_params: the first stage's function and parameters, the
+    loss's parameters (see `Request`)."""
+    _check_functions(schedule, stage_fn, loss_fn, first_fn)
+    require_mesh(mesh, axes=(PP,), needed_by="the pipeline runtime")
+    if schedule.stages != axis_size(mesh, PP):
+        raise ConfigError(f"schedule {schedule.name!r} is built for p={schedule.stages} stages but the mesh has "
+                          f"{PP}={axis_size(mesh, PP)}: make it with schedule.make({schedule.name!r}, "
+                          f"stages={axis_size(mesh, PP)}, ...)")
+    n_layers = _layer_count(params, schedule)
+    batch_found = _batch(batch, batch_spec, mesh, schedule.microbatches, first_fn, input_grads)
+    param_specs, local_params = _specs(params, param_specs, mesh, "param_specs", skip=1)
+    if first_params is not None and first_fn is None:
+        raise ConfigError("first_params given without first_fn: give first_fn(first_params, inputs) -> activation")
+    first_specs, local_first = _edge_specs(first_params, first_specs, mesh, "first_specs")
+    last_specs, local_last = _edge_specs(last_params, last_specs, mesh, "last_specs")
+    _check_options(recompute=recompute, bubble_fill=bubble_fill)
+    local = dict(batch_found.local, params=local_params, first=local_first, last=local_last,
+                 stage=jax.tree.map(lambda a: jax.ShapeDtypeStruct((n_layers // schedule.virtual_stages,
+                                                                     *a.shape[1:]), a.dtype), local_params))
+    loss_dtype = _loss_dtype(local, stage_fn, loss_fn, first_fn, has_last=last_params is not None)
+    return Request(schedule=schedule, stage_fn=stage_fn, mesh=mesh, loss_fn=loss_fn, first_fn=first_fn,
+                   recompute=recompute, bubble_fill=bubble_fill, input_grads=batch_found.input_grads,
+                   params=_shapes(params), inputs=_shapes(batch[0]), targets=_shapes(batch[1]),
+                   first_params=_shapes(first_params), last_params=_shapes(last_params), param_specs=param_specs,
+                   first_specs=first_specs, last_specs=last_specs, in_spec=batch_found.in_spec,
+                   target_spec=batch_found.target_spec, n_layers=n_layers, batch_axes=batch_found.axes,
+                   loss_dtype=loss_dtype, local=local)
+
+
+# ---- the checks, in the order `make` runs them --------------------------------------------
+
+def _check_functions(schedule, stage_fn, loss_fn, first_fn) -> None:
+    if not isinstance(schedule, Schedule):
+        raise ConfigError(f"schedule is a {type(schedule).__name__}, not a Schedule: build one with "
+                          "jaxpar.pipeline.schedule.make('1f1b', stages=..., microbatches=...)")
+    named = (("stage_fn", stage_fn), ("loss_fn", loss_fn)) + ((("first_fn", first_fn),) if first_fn is not None
+                                                             else ())
+    for name, fn in named:
+        if not callable(fn):
+            raise ConfigError(f"{name}={fn!r} is not callable: give a function ({name}(params, x) for a stage, "
+                              "loss_fn(y, targets) -> scalar for the loss)")
+
+
+def _layer_count(params, schedule: Schedule) -> int:
+    """L, the leading axis every params leaf shares; refused unless the p*v stages split it."""
+    leaves = jax.tree.leaves(params)
+    if not leaves:
+        raise ConfigError("params has no arrays: give a pytree whose leaves stack the layers on axis 0")
+    for leaf in leaves:
+        errors.array("a params leaf", leaf, nonempty=False, shape_doc="an array [layers, ...]")
+    n_layers = leaves[0].shape[0] if leaves[0].ndim else 0
+    if any(a.ndim == 0 or a.shape[0] != n_layers for a in leaves):
+        raise ConfigError(f"params leaves have leading axes {[tuple(a.shape[:1]) for a in leaves]}: every leaf "
+                          "stacks the same number of layers on axis 0")
+    p, v, stages = schedule.stages, schedule.chunks, schedule.virtual_stages
+    if n_layers == 0 or n_layers % stages:
+        raise ConfigError(f"{n_layers} layers do not split into p*v = {p}*{v} = {stages} stages: use a "
+                          f"layer count divisible by {stages} (at least {stages}) or another p or v")
+    return n_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """What the batch's checks found."""
+    in_spec: P
+    target_spec: P
+    axes: tuple[str, ...]     # the axes of more than one device the batch is split over
+    input_grads: bool
+    local: dict               # ShapeDtypeStructs of one microbatch's inputs and targets on a device
+
+
+def _batch(batch, batch_spec, mesh, microbatches: int, first_fn, input_grads) -> _Batch:
+    """The batch's specs and per-device microbatch shapes; refused unless its rows split
+    over the batch axes x microbatches (and input_grads is possible)."""
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise ConfigError(f"batch is a {type(batch).__name__}"
+                          + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+                          + ": give the pair (inputs [B, ...], targets [B, ...])")
+    inputs, targets = batch
+    kinds = "fiu" if first_fn is not None else "f"
+    in_shape = errors.array("inputs", inputs, kinds=kinds, shape_doc="inputs[B, ...], the first stage's activations")
+    t_shape = errors.array("targets", targets, shape_doc="targets[B, ...]")
+    if not in_shape or not t_shape:
+        raise ConfigError(f"inputs {in_shape} and targets {t_shape}: both need a leading batch axis [B, ...]")
+    if batch_spec is None:
+        batch_spec = P(DP) if DP in mesh.shape else P()
+    in_spec, target_spec = batch_spec if isinstance(batch_spec, tuple) and not isinstance(batch_spec, P) \
+        else (batch_spec, batch_spec)
+    local_in = _local_shape(in_shape, in_spec, mesh, "batch_spec for the inputs")
+    local_t = _local_shape(t_shape, target_spec, mesh, "batch_spec for the targets")
+    in_spec, target_spec = _drop_unit(in_spec, mesh), _drop_unit(target_spec, mesh)
+    rows = in_shape[0]
+    if t_shape[0] != rows:
+        raise ConfigError(f"inputs have {rows} rows but targets {t_shape[0]}: give one target per row")
+    row_axes = [a for a in (in_spec[0] if len(in_spec) and isinstance(in_spec[0], tuple)
+                            else (in_spec[0],) if len(in_spec) and in_spec[0] else ())]
+    split = math.prod(axis_size(mesh, a) for a in row_axes)
+    if rows % (split * microbatches):
+        over = " x ".join(f"{a}={axis_size(mesh, a)}" for a in row_axes) or f"{DP}=1"
+        raise ConfigError(f"batch of {rows} rows does not split into {over} x microbatches={microbatches}: "
+                          f"use a batch divisible by {split * microbatches}, or another microbatch count")
+    axes = tuple(a for a in mesh.axis_names if a != PP and axis_size(mesh, a) > 1
+                 and a in spec_axes(in_spec) | spec_axes(target_spec))
+    one = lambda shape, a: jax.ShapeDtypeStruct((shape[0] // microbatches, *shape[1:]), jnp.result_type(a))
+    return _Batch(in_spec=in_spec, target_spec=target_spec, axes=axes, input_grads=_input_grads(input_grads, inputs),
+                  local=dict(inputs=one(local_in, inputs), targets=one(local_t, targets)))
+
+
+def _input_grads(input_grads, inputs) -> bool:
+    floating = jnp.issubdtype(jnp.result_type(inputs), jnp.floating)
+    if input_grads is None:
+        return bool(floating)
+    errors.flag("input_grads", input_grads)
+    if input_grads and not floating:
+        raise ConfigError(f"input_grads=True but the inputs are {jnp.result_type(inputs)}: there is no gradient "
+                          "with respect to integers (token ids); leave input_grads unset or False")
+    return input_grads
+
+
+def _local_shape(shape, spec: P, mesh, what: str, skip: int = 0) -> tuple[int, ...]:
+    """The per-device shape of an array of `shape` laid out as `spec` on its dims after the
+    first `skip` (refusing axes the mesh lacks, pp, and sizes the axes do not divide)."""
+    if not isinstance(spec, P):
+        raise ConfigError(f"{what}: the spec {spec!r} is a {type(spec).__name__}, not a "
+                          "jax.sharding.PartitionSpec: e.g. P(None, 'tp')")
+    dims = shape[skip:]
+    if len(spec) > len(dims):
+        raise ConfigError(f"{what}: the spec {spec} names {len(spec)} dimensions, the array has {len(dims)} "
+                          f"{'after its layer axis ' if skip else ''}({tuple(shape)})")
+    out = list(shape)
+    for j, entry in enumerate(spec):
+        axes = entry if isinstance(entry, tuple) else () if entry is None else (entry,)
+        n = 1
+        for a in axes:
+            if a == PP or a not in mesh.shape:
+                raise ConfigError(f"{what}: the spec {spec} names axis {a!r}; the mesh has {dict(mesh.shape)} "
+                                  f"and {PP} is the pipeline's own: name the other axes only")
+            n *= mesh.shape[a]
+        if dims[j] % n:
+            raise ConfigError(f"{what}: dimension {skip + j} of {tuple(shape)} is {dims[j]}, not divisible by "
+                              f"{' x '.join(axes)} = {n} in the spec {spec}: use a size divisible by {n}")
+        out[skip + j] = dims[j] // n
+    return tuple(out)
+
+
+def _drop_unit(spec: P, mesh) -> P:
+    """spec without the axes of one device (a value split over one device is whole, and
+    shard_map would type it varying over an axis nothing sums over)."""
+    def entry(e):
+        axes = tuple(a for a in (e if isinstance(e, tuple) else () if e is None else (e,))
+                     if mesh.shape.get(a, 2) > 1)
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+    return P(*(entry(e) for e in spec))
+
+
+def _specs(tree, specs, mesh, what: str, skip: int = 0):
+    """(the spec tree, one P per leaf of tree, default P(); the local ShapeDtypeStructs)."""
+    if specs is None:
+        specs = jax.tree.map(lambda _: P(), tree)
+    is_p = lambda x: isinstance(x, P)
+    if jax.tree.structure(specs, is_leaf=is_p) != jax.tree.structure(tree):
+        raise ConfigError(f"{what} has the structure {jax.tree.structure(specs, is_leaf=is_p)}, the parameters "
+                          f"{jax.tree.structure(tree)}: give one PartitionSpec per array")
+    for spec in jax.tree.leaves(specs, is_leaf=is_p):
+        if not is_p(spec):
+            raise ConfigError(f"{what}: the spec {spec!r} is a {type(spec).__name__}, not a "
+                              "jax.sharding.PartitionSpec: e.g. P(None, 'tp')")
+    specs = jax.tree.map(lambda s: _drop_unit(s, mesh), specs, is_leaf=is_p)
+    local = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(_local_shape(jnp.shape(a), s, mesh, what, skip),
+                                                            jnp.result_type(a)), tree, specs, is_leaf=None)
+    return specs, local
+
+
+def _edge_specs(tree, specs, mesh, what: str):
+    """_specs of the first or last stage's params, or (None, None) without them."""
+    return _specs(tree, specs, mesh, what) if tree is not None else (None, None)
+
+
+def _check_options(*, recompute, bubble_fill) -> None:
+    """Refuse options of the wrong type (recompute a bool; bubble_fill a real number, NaN
+    allowed: it marks the slots nothing reads)."""
+    errors.flag("recompute", recompute)
+    if isinstance(bubble_fill, bool) or not isinstance(bubble_fill, (int, float, np.floating, np.integer)):
+        raise ConfigError(f"bubble_fill={bubble_fill!r}: give a number (0.0, or float('nan') to show that "
+                          "nothing reads an unused slot)")
+
+
+def _probe(fn, *args):
+    """jax.eval_shape(fn, *args), or None for per-shard code whose collectives need the
+    shard_map (the program checks it again there, still before compiling)."""
+    try:
+        return jax.eval_shape(fn, *args)
+    except NameError:
+        return None
+
+
+def _loss_dtype(local: dict, stage_fn, loss_fn, first_fn, *, has_last: bool):
+    """Refuse a stage that changes the activation and a loss that is not a floating
+    scalar; return the loss dtype."""
+    x = local["inputs"] if first_fn is None else _probe(first_fn, local["first"], local["inputs"])
+    y = _probe(stage_fn, local["stage"], x) if x is not None else None
+    if y is not None and (not isinstance(y, jax.ShapeDtypeStruct) or (y.shape, y.dtype) != (x.shape, x.dtype)):
+        got = f"{y.shape} {y.dtype}" if isinstance(y, jax.ShapeDtypeStruct) else type(y).__name__
+        raise ConfigError(f"stage_fn maps a microbatch {x.shape} {x.dtype} to {got}: a "
+                          f"pipeline stage must keep the activation's shape and dtype")
+    if y is None:
+        return jnp.result_type(float)
+    loss = _probe(loss_fn, *((local["last"],) if has_last else ()), y, local["targets"])
+    if loss is None:
+        return jnp.result_type(y.dtype) if jnp.issubdtype(y.dtype, jnp.floating) else jnp.result_type(float)
+    if not isinstance(loss, jax.ShapeDtypeStruct) or loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+        got = f"{loss.shape} {loss.dtype}" if isinstance(loss, jax.ShapeDtypeStruct) else type(loss).__name__
+        raise ConfigError(f"loss_fn(y, targets) gives {got}: it must be a floating scalar, the mean over the "
+                          "microbatch (e.g. jnp.mean(...))")
+    return loss.dtype

@@ -19,6 +19,7 @@ n = mesh.use_cpu_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxpar import comms, reference, verify  # noqa: E402
@@ -41,7 +42,8 @@ def dp_grads(params, tokens):
 def lesson():
     m = mesh.make_mesh(dp=n)                                    # one axis, "dp", over every device
     params = reference.init_params(jax.random.key(0), CFG)      # replicated, P(): the whole model everywhere
-    tokens = jax.random.randint(jax.random.key(1), (2 * n, 17), 0, CFG.vocab)  # int[16, 17]; P(dp): [2, 17] each
+    rng = np.random.default_rng(1)                              # numpy: no RNG kernel to compile
+    tokens = jnp.asarray(rng.integers(0, CFG.vocab, (2 * n, 17)), jnp.int32)   # int[16, 17]; P(dp): [2, 17] each
     step = jax.jit(jax.shard_map(dp_grads, mesh=m, in_specs=(P(), P(mesh.DP)), out_specs=P()))
     loss, want = jax.jit(jax.value_and_grad(reference.loss), static_argnums=2)(params, tokens, CFG)  # one device
     print(f"data parallelism on {mesh.describe(m)}, {m.axis_types}: {tokens.shape[0]} sequences, "
@@ -75,8 +77,9 @@ def bad_input():
 
 def the_reference(loss):
     print(f"\nreference loss {float(loss):.4f} (uniform prediction would be ln V = {jnp.log(CFG.vocab):.4f})")
-    q = jax.random.normal(jax.random.key(2), (2, 16, 8, 4))        # [B, T, N, H]
-    k, v = jax.random.normal(jax.random.key(3), (2, 2, 16, 2, 4))  # [B, T, K, H] each, K = 2
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.standard_normal((2, 16, 8, 4)), jnp.float32)          # [B, T, N, H]
+    k, v = jnp.asarray(rng.standard_normal((2, 2, 16, 2, 4)), jnp.float32)    # [B, T, K, H] each, K = 2
     err = max_abs_diff(reference.attention(q, k, v), jax.nn.dot_product_attention(q, k, v, is_causal=True))
     print(f"reference GQA attention vs jax.nn.dot_product_attention: max |diff| {err:.1e}")
 

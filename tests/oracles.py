@@ -13,13 +13,13 @@ FAST = settings(max_examples=40, deadline=None)   # property tests of pure-Pytho
 
 
 def v_stage(p: int, device: int, chunk: int) -> int:
-    """The V layout (DualPipe-V): chunk 0 goes down the devices, chunk 1 comes back up."""
+    """The V placement (DualPipe-V): chunk 0 goes down the devices, chunk 1 comes back up."""
     return device if chunk == 0 else 2 * p - 1 - device
 
 
 def model_stage(s: S.Schedule, device: int, chunk: int) -> int:
-    """The model stage of (device, chunk): the V layout, or Megatron's chunk * p + device."""
-    return v_stage(s.stages, device, chunk) if s.layout == "v" else chunk * s.stages + device
+    """The model stage of (device, chunk): the V placement, or Megatron's chunk * p + device."""
+    return v_stage(s.stages, device, chunk) if s.placement == "v" else chunk * s.stages + device
 
 
 def bubble(s: S.Schedule) -> Fraction:

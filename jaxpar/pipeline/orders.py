@@ -2,7 +2,7 @@
 one registry that says everything else about a schedule name.
 
 A generator returns one list of `Action`s per device; `schedule.make` looks the name up
-in `REGISTRY` (its order, whether the backward is split, the chunk layout, the default
+in `REGISTRY` (its order, whether the backward is split, the chunks' placement, the default
 chunks, its label, the sizes it needs) and times the lists into a `Schedule`; the
 formulas, the memory model's callers, the planner and the CLI read the rest of what they
 say about a schedule (its closed forms, its chunks) here too. Nothing else lists schedule
@@ -236,7 +236,7 @@ def _needs_v(name: str, p: int, m: int, v: int) -> None:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Kind:
     """Everything about one schedule name: its device programs, its label, whether its
-    backward is split into B and W, the layout of its chunks over the model, its chunks
+    backward is split into B and W, the placement of its chunks over the model, its chunks
     per device, the check of (stages, microbatches, chunks) it needs, and the closed forms
     the formulas give for it (pipeline/formulas.py keeps the forms, by these names)."""
 
@@ -244,7 +244,7 @@ class Kind:
     label: str
     order: Callable[[int, int, int], list[list[Action]]]
     split_backward: bool = False
-    layout: str = "interleaved"   # stage = chunk*p + device; "v": down the devices and back up
+    placement: str = "loop"       # "loop": stage = chunk*p + device; "v": down the devices and back up
     chunks: int = 1               # chunks per device, the default where the caller picks them
     takes_chunks: bool = False    # the caller picks the chunks (>= 2); otherwise always `chunks`
     requires: Callable[[str, int, int, int], None] = _one_chunk
@@ -261,7 +261,7 @@ REGISTRY: dict[str, Kind] = {k.name: k for k in (
          requires=_needs_interleaved, bubble="interleaved", in_flight="interleaved"),
     Kind(name="zb-h1", label="ZB-H1", order=zb_h1, split_backward=True, requires=_needs_m_ge_p),
     Kind(name="zb-h2", label="ZB-H2", order=zb_h2, split_backward=True, requires=_needs_m_ge_p, in_flight="2p-1"),
-    Kind(name="dualpipe-v", label="DualPipe-V", order=dualpipe_v, split_backward=True, layout="v", chunks=2,
+    Kind(name="dualpipe-v", label="DualPipe-V", order=dualpipe_v, split_backward=True, placement="v", chunks=2,
          requires=_needs_v, bubble="v"),
 )}
 # The lecture's schedule: the default of `jaxpar train`, `jaxpar memory` and the planner,

@@ -19,7 +19,7 @@ in the order of the schedule's ticks, to the earliest step that respects
     is a B or W and this an F (the backward lane runs first);
 so every device runs exactly its program, in its order, and the residual slots follow.
 At the end of every step each lane's output moves: to the device itself (the loss
-gradient of the last stage, the turn of the V layout), to the next device (`right`: d ->
+gradient of the last stage, the turn of the V placement), to the next device (`right`: d ->
 d + 1, wrapping for interleaved chunks) or to the previous one (`left`). The program is
 ONE `lax.scan` over the steps, whatever p and m: its size does not grow with m. Each
 (lane, direction) the schedule ever uses is a channel, a `ppermute` under a `lax.cond`

@@ -99,7 +99,7 @@ class Request:
     def key(self) -> tuple:
         """What the program depends on: `==` and `hash` compare it."""
         s = self.schedule
-        table = (s.name, s.stages, s.microbatches, s.chunks, s.layout, s.split_backward,
+        table = (s.name, s.stages, s.microbatches, s.chunks, s.placement, s.split_backward,
                  tuple(sorted(s.costs.items())), tuple(tuple(row) for row in s.actions))
         shapes = tuple(_frozen(t) for t in (self.params, self.inputs, self.targets, self.first_params,
                                             self.last_params))

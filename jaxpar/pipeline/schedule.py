@@ -56,9 +56,10 @@ MAX_STAGES = 1024
 MAX_MICROBATCHES = 1 << 16
 MAX_CHUNKS = 64
 MAX_ACTIONS = 1 << 21   # p * m * v * kinds: a table of about 2 million actions builds in seconds
-# Where chunk c of device d sits in the model: "interleaved" (Megatron) stage c*p + d;
-# "v" (ZB-V, DualPipeV; chunks=2) stage d going down the devices, 2p-1-d coming back up.
-LAYOUTS = ("interleaved", "v")
+# Where chunk c of device d sits in the model (its placement): "loop" (Megatron's interleaved
+# schedule) stage c*p + d, each chunk one loop down the devices; "v" (ZB-V, DualPipeV;
+# chunks=2) stage d going down the devices, 2p-1-d coming back up.
+PLACEMENTS = ("loop", "v")
 
 Key = tuple[str, int, int]  # (kind, microbatch, stage): one action, wherever it runs
 
@@ -68,7 +69,7 @@ class Schedule(stats.Statistics):
     """A pipeline schedule: p = `stages` devices, m = `microbatches`, v = `chunks` per
     device, per-kind `costs` in ticks, `split_backward` (B is input-gradient only, W the
     weight gradient), `actions[tick][device]` = the Action starting there, or None, and
-    the `layout` of the chunks over the model (`stage_of`; one of LAYOUTS). Every reader
+    the `placement` of the chunks over the model (`stage_of`; one of PLACEMENTS). Every reader
     of the table (and the runtime) maps (device, chunk) to a stage through it.
 
     Construction checks the shape of the table (ValueError, or ScheduleError when an entry
@@ -82,14 +83,14 @@ class Schedule(stats.Statistics):
     costs: Mapping[str, int]
     split_backward: bool
     actions: Sequence[Sequence[Action | None]]
-    layout: str = "interleaved"
+    placement: str = "loop"
 
     def __post_init__(self):
         check_sizes(self.stages, self.microbatches, self.chunks)
-        if self.layout not in LAYOUTS:
-            raise ConfigError(f"layout {self.layout!r}: one of {', '.join(LAYOUTS)}")
-        if self.layout == "v" and self.chunks != 2:
-            raise ConfigError(f"layout 'v' has 2 chunks per device (down and back up), not {self.chunks}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"placement {self.placement!r}: one of {', '.join(PLACEMENTS)}")
+        if self.placement == "v" and self.chunks != 2:
+            raise ConfigError(f"placement 'v' has 2 chunks per device (down and back up), not {self.chunks}")
         kinds = "FBW" if self.split_backward else "FB"
         if not isinstance(self.costs, Mapping) or set(self.costs) != set(kinds) \
                 or not all(is_whole(c) and c >= 1 for c in self.costs.values()):
@@ -119,16 +120,16 @@ class Schedule(stats.Statistics):
         return self.stages * self.chunks
 
     def stage_of(self, device: int, chunk: int) -> int:
-        """The model stage that `chunk` of `device` holds: chunk*p + device (interleaved,
+        """The model stage that `chunk` of `device` holds: chunk*p + device (loop,
         Megatron's mapping), or device for chunk 0 and 2p-1-device for chunk 1 (v: device 0
         holds the first and the last stage, device p-1 the two around the turn)."""
-        if self.layout == "v":
+        if self.placement == "v":
             return device if chunk == 0 else 2 * self.stages - 1 - device
         return chunk * self.stages + device
 
     def device_of(self, stage: int) -> tuple[int, int]:
         """(device, chunk) holding model `stage`; inverse of `stage_of`."""
-        if self.layout == "v":
+        if self.placement == "v":
             return (stage, 0) if stage < self.stages else (2 * self.stages - 1 - stage, 1)
         return stage % self.stages, stage // self.stages
 
@@ -197,7 +198,7 @@ class Schedule(stats.Statistics):
     def to_dict(self) -> dict:
         return {
             "name": self.name, "stages": self.stages, "microbatches": self.microbatches,
-            "chunks": self.chunks, "layout": self.layout, "costs": dict(self.costs),
+            "chunks": self.chunks, "placement": self.placement, "costs": dict(self.costs),
             "split_backward": self.split_backward,
             "units": units(self.chunks),
             "total_time": self.total_time, "stage_time": self.total_time / self.chunks,
@@ -291,10 +292,10 @@ def units(chunks: int) -> dict[str, str]:
 
 def simulate(name: str, stages: int, microbatches: int, chunks: int, costs: Mapping[str, int],
              split_backward: bool, programs: Sequence[Sequence[Action]],
-             layout: str = "interleaved") -> Schedule:
+             placement: str = "loop") -> Schedule:
     """Place each device's program in order, every action at the earliest tick at which
     its device is free and its inputs have ended (a device with blocking receives)."""
-    shape = Schedule(name, stages, microbatches, chunks, dict(costs), split_backward, (), layout)
+    shape = Schedule(name, stages, microbatches, chunks, dict(costs), split_backward, (), placement)
     end: dict[Key, int] = {}
     placed: list[list[tuple[int, Action]]] = [[] for _ in range(stages)]
     free = [0] * stages
@@ -347,4 +348,4 @@ def make(name: str, stages: int, microbatches: int, chunks: int | None = None,
         full[k] = c
     programs = kind.order(stages, microbatches, chunks)
     return simulate(name, stages, microbatches, chunks, full, kind.split_backward, programs,
-                    kind.layout).validate()
+                    kind.placement).validate()

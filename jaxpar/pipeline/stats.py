@@ -84,7 +84,7 @@ class Statistics:
     @functools.cached_property
     def sends(self) -> list[Send]:
         """Every activation (F) and input gradient (B) that crosses devices, by tick; a
-        hand-over between two chunks of one device (the turn of the v layout) is none."""
+        hand-over between two chunks of one device (the turn of the V placement) is none."""
         out = []
         for d, prog in enumerate(self._programs):
             for t, a in prog:

@@ -119,7 +119,7 @@ def check_runtime() -> list[Result]:
     return [compare("1f1b", p, 8, dp=dp).result("lecture MLP (8 layers, 2 per stage); NaN in bubbles"),
             compare("interleaved", p, 2 * p, chunks=2).result(),
             compare("zb-h2", p, p, kind="blocks", n_layers=p).result("reference blocks (GQA, SwiGLU), B/W split"),
-            compare("dualpipe-v", p, 2 * p, dp=dp).result("V layout: chunk 1 runs back up the devices"),
+            compare("dualpipe-v", p, 2 * p, dp=dp).result("V placement: chunk 1 runs back up the devices"),
             check_nnx(p)]
 
 

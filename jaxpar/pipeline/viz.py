@@ -68,7 +68,7 @@ def timeline_rows(s) -> list[str]:
 def header(s) -> str:
     word, _ = _label(s)
     dims = (f"p={s.stages}, m={s.microbatches}" + (f", v={s.chunks}" if s.chunks > 1 else "")
-            + (" in a V" if s.layout == "v" else ""))
+            + (" in a V" if s.placement == "v" else ""))
     out = (f"{label(s.name)} ({dims}): bubble {percent(s.bubble_fraction)}, "
            f"total time {s.total_time}, peak activations "
            + (f"(microbatch-chunks, 1/{s.chunks} stage each) " if s.chunks > 1 else "")
@@ -100,7 +100,7 @@ def chrome_trace(s) -> dict:
     us = 1000
     events: list[dict] = [{"ph": "M", "pid": 0, "name": "process_name",
                            "args": {"name": f"{s.name} p={s.stages} m={s.microbatches} v={s.chunks} "
-                                            f"({s.layout})"}}]
+                                            f"({s.placement})"}}]
     for d in range(s.stages):
         events.append({"ph": "M", "pid": 0, "tid": d, "name": "thread_name", "args": {"name": f"device {d}"}})
         for t, a in s.program(d):

@@ -13,7 +13,7 @@ the schedule it executes.
   which devices (each crossing stage boundary, forward and back), and the transfers they
   carry (2m per crossing boundary); the plan keeps as many residual slots as the peak;
 * ValueError, before anything is compiled, for input that does not fit;
-* to_stages / from_stages for both layouts, and a hypothesis property over drawn cases.
+* to_stages / from_stages for both placements, and a hypothesis property over drawn cases.
 
 Each verify.compare compiles one program (seconds), so every case is compiled
 once per process (`_compare` caches) and the sweep holds only the cases the issue lists.
@@ -132,7 +132,7 @@ def program_key(s: schedule.Schedule) -> tuple:
     """Everything runtime.pipeline reads from a schedule besides its name: two schedules
     with equal keys compile to the same program."""
     plan = plan_lib.plan(s)
-    return (s.stages, s.microbatches, s.chunks, s.layout, s.split_backward, plan.table.shape, plan.table.tobytes(),
+    return (s.stages, s.microbatches, s.chunks, s.placement, s.split_backward, plan.table.shape, plan.table.tobytes(),
             plan.sends, plan.flags.tobytes(), tuple(sorted(plan.pairs.items())), plan.channels,
             plan.n_x, plan.n_g, plan.n_res)
 
@@ -474,7 +474,7 @@ def test_gpipe_baseline_rejects_bad_input_too(no_compile):
 @pytest.mark.parametrize("name,p,m,chunks", cases([("interleaved", 4, 4, 2), ("interleaved", 2, 2, 3),
                                                    ("dualpipe-v", 4, 7, None), ("dualpipe-v", 1, 1, None),
                                                    ("1f1b", 4, 4, None)]))
-def test_to_stages_round_trip_and_layout(name, p, m, chunks):
+def test_to_stages_round_trip_and_placement(name, p, m, chunks):
     s = schedule.make(name, stages=p, microbatches=m, chunks=chunks)
     S, per = s.virtual_stages, 3                # 3 layers per stage
     L = S * per
@@ -491,7 +491,7 @@ def test_to_stages_round_trip_and_layout(name, p, m, chunks):
     assert jax.tree.map(lambda a: (a.shape, a.dtype), back) == jax.tree.map(lambda a: (a.shape, a.dtype), params)
     for key in params:
         np.testing.assert_array_equal(back[key], params[key])
-    if s.layout == "v":  # device 0 holds the first and the last stage, device p-1 the turn
+    if s.placement == "v":  # device 0 holds the first and the last stage, device p-1 the turn
         assert placed["layer"][0, 1, 0] == (S - 1) * per and placed["layer"][p - 1, 1, 0] == p * per
 
 

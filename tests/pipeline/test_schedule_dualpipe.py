@@ -1,4 +1,4 @@
-"""The dualpipe-v schedule (DualPipeV / ZB-V): the V layout of the chunks, its sends, and the
+"""The dualpipe-v schedule (DualPipeV / ZB-V): the V placement of the chunks, its sends, and the
 bubble and memory its tables give, checked against expressions written here."""
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from jaxpar.pipeline import schedule as S
 from jaxpar.pipeline import formulas
 from tests.oracles import FAST, check_dependencies, v_stage
 
-# ---- the layout ------------------------------------------------------------------------
+# ---- the placement ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("p", range(1, 9))
 def test_v_mapping_and_its_inverse(p):
     s = S.make("dualpipe-v", p, 2 * p - 1)
-    assert s.layout == "v" and s.chunks == 2
+    assert s.placement == "v" and s.chunks == 2
     for d in range(p):
         for c in range(2):
             assert s.stage_of(d, c) == v_stage(p, d, c)
@@ -34,25 +34,25 @@ def test_v_mapping_and_its_inverse(p):
 
 def test_interleaved_mapping_unchanged():
     s = S.make("interleaved", 4, 8, 3)
-    assert s.layout == "interleaved"
+    assert s.placement == "loop"
     assert [s.stage_of(d, c) for c in range(3) for d in range(4)] == list(range(12))
 
 
-def test_layout_must_fit_the_chunks():
+def test_placement_must_fit_the_chunks():
     with pytest.raises(ValueError, match="2 chunks"):
         S.Schedule("hand", 2, 1, 3, {"F": 1, "B": 2}, False, (), "v")
-    with pytest.raises(ValueError, match="one of interleaved, v"):
+    with pytest.raises(ValueError, match="one of loop, v"):
         S.Schedule("hand", 2, 1, 2, {"F": 1, "B": 2}, False, (), "zigzag")
 
 
-def test_validate_reads_the_layout():
+def test_validate_reads_the_placement():
     # Megatron's interleaved table is valid on its own mapping and deadlocks on the V one,
     # and the other way round: the validator never assumes chunk*p + device.
     inter, vee = S.make("interleaved", 2, 2, 2), S.make("dualpipe-v", 2, 3)
     with pytest.raises(S.ScheduleError, match="deadlock|before its input"):
-        dataclasses.replace(inter, layout="v").validate()
+        dataclasses.replace(inter, placement="v").validate()
     with pytest.raises(S.ScheduleError, match="deadlock|before its input"):
-        dataclasses.replace(vee, layout="interleaved").validate()
+        dataclasses.replace(vee, placement="loop").validate()
 
 
 # ---- sends -------------------------------------------------------------------------------
@@ -131,7 +131,7 @@ def test_bad_input(args, value, fix):
 def test_json_trace_png(tmp_path):
     s = S.make("dualpipe-v", 3, 5)
     d = json.loads(s.to_json())
-    assert d["layout"] == "v" and d["chunks"] == 2
+    assert d["placement"] == "v" and d["chunks"] == 2
     assert {(a["chunk"], a["stage"]) for a in d["programs"][0]} == {(0, 0), (1, 5)}
     slices = [e for e in s.chrome_trace()["traceEvents"] if e["ph"] == "X"]
     assert all(e["args"]["stage"] == v_stage(3, e["tid"], e["args"]["chunk"]) for e in slices)

@@ -49,7 +49,7 @@ def main(args) -> int:
     terms = A.breakdown(blk, **kw)
     layer = sum(b for _, b in terms)
     errors.whole("pp", args.pp)    # refused as pp (--pp), before the schedule's p
-    in_flight = pipeline_formulas.in_flight(args.schedule, p=args.pp, m=args.microbatches, v=args.chunks)
+    in_flight = pipeline_formulas.in_flight(args.schedule, p=args.pp, m=args.microbatches, chunks=args.chunks)
     stage = A.first_stage_bytes(blk, layers=model.layers, pp=args.pp, in_flight=in_flight, **kw)
     quad = sum(b for name, b in terms if name in ("softmax output", "softmax dropout mask", "dropout output"))
     out = {"terms": dict(terms), "layer_bytes": layer, "attention_matrix_bytes": quad,

@@ -76,15 +76,16 @@ def parse_costs(text: str | None) -> dict[str, int] | None:
     return costs
 
 
-def compare(p: int, m: int, v: int | None, costs: dict[str, int] | None) -> list[dict]:
-    """One summary per known schedule (or the reason it cannot run for this p, m)."""
-    schedule.check_sizes(p, m, 1 if v is None else v)   # sizes every schedule needs: refused once, here
+def compare(p: int, m: int, chunks: int | None, costs: dict[str, int] | None) -> list[dict]:
+    """One summary per known schedule (or the reason it cannot run for this p, m); `chunks`
+    goes to the schedules that take chunks (the others run their own)."""
+    schedule.check_sizes(p, m, 1 if chunks is None else chunks)   # sizes every schedule needs: refused once, here
     out = []
     for name, kind in orders.REGISTRY.items():
-        chunks = v if kind.takes_chunks else None
+        own_chunks = chunks if kind.takes_chunks else None
         own = {k: c for k, c in (costs or {}).items() if k != "W" or kind.split_backward}
         try:
-            s = schedule.make(name, p, m, chunks, own)
+            s = schedule.make(name, p, m, own_chunks, own)
         except ConfigError as e:
             out.append({"name": name, "error": e})
             continue

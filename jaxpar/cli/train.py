@@ -83,7 +83,7 @@ def main(args) -> int:
 
     from jaxpar import reference
 
-    layers = 2 * spec.pp * spec.virtual_chunks if args.layers is None else args.layers
+    layers = 2 * spec.pp * spec.resolved_chunks if args.layers is None else args.layers
     cfg = reference.ModelConfig(n_layers=layers, d_model=args.d_model, n_heads=args.heads, n_kv_heads=args.kv_heads,
                                 head_dim=max(2, args.d_model // args.heads), d_ff=args.ffn, vocab=args.vocab,
                                 mlp="swiglu", n_experts=args.experts, top_k=min(args.top_k, max(args.experts, 1)),

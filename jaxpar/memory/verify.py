@@ -204,7 +204,7 @@ def check_pipeline_memory(p: int = 2, m: int = 8, batch: int = 2, seq: int = 128
     for name in ("interleaved", "dualpipe-v"):
         s = schedule_lib.make(name, stages=p, microbatches=m)
         slots = plan_lib.plan(s).n_res
-        expect = pipeline_formulas.in_flight(name, p=p, m=m, v=s.chunks)
+        expect = pipeline_formulas.in_flight(name, p=p, m=m, chunks=s.chunks)
         out.append(Result(name=f"pipeline memory: {name} in flight", mesh=f"pp={p}",
                           errors={"|plan slots / v - model|": abs(slots / s.chunks - expect)},
                           passed=slots / s.chunks == expect,

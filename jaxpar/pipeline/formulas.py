@@ -43,7 +43,7 @@ IN_FLIGHT: dict[str, Callable[[int, int, int], float]] = {
 }
 
 
-def bubble(name: str, p: int, m: int, v: int = 1) -> float:
+def bubble(name: str, p: int, m: int, chunks: int = 1) -> float:
     """Idle time / total time of jaxpar's `name` table with the default costs: the form
     of BUBBLES its registry entry names (`orders.Kind.bubble`). The zero-bubble schedules
     have none: their figures are read off their tables."""
@@ -52,18 +52,18 @@ def bubble(name: str, p: int, m: int, v: int = 1) -> float:
         with_form = [n for n, kind in orders.REGISTRY.items() if kind.bubble]
         raise ConfigError(f"no closed-form bubble for {name!r}: one of {', '.join(with_form)} (the others are "
                           "read off their tables: schedule.make(name, ...).bubble_fraction)")
-    return BUBBLES[form](p, m, v)
+    return BUBBLES[form](p, m, chunks)
 
 
-def in_flight(name: str, *, p: int, m: int, v: int = 1) -> float:
+def in_flight(name: str, *, p: int, m: int, chunks: int = 1) -> float:
     """Microbatches whose activations the first stage holds at its peak, in units of a
     whole stage's activations: the form of IN_FLIGHT its registry entry names
     (`orders.Kind.in_flight`). `memory.activations.first_stage_bytes` takes it."""
-    for what, value in (("p", p), ("m", m), ("v", v)):
+    for what, value in (("p", p), ("m", m), ("chunks", chunks)):
         errors.whole(what, value)
     if name not in orders.REGISTRY:
         raise ConfigError(f"unknown schedule {name!r}: one of {', '.join(orders.REGISTRY)}")
-    return float(IN_FLIGHT[orders.REGISTRY[name].in_flight](p, m, v))
+    return float(IN_FLIGHT[orders.REGISTRY[name].in_flight](p, m, chunks))
 
 
 def _rows(batch_size, features, dp, m) -> int:

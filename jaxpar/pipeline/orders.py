@@ -203,30 +203,30 @@ def _nearest_multiple(m: int, p: int) -> str:
     return str(hi) if lo == 0 or hi - m < m - lo else str(lo) if m - lo < hi - m else f"{lo} or {hi}"
 
 
-def _one_chunk(name: str, p: int, m: int, v: int) -> None:
-    if v != 1:
-        raise ConfigError(f"chunks={v} applies to interleaved only; drop chunks for {name}")
+def _one_chunk(name: str, p: int, m: int, chunks: int) -> None:
+    if chunks != 1:
+        raise ConfigError(f"chunks={chunks} applies to interleaved only; drop chunks for {name}")
 
 
-def _needs_interleaved(name: str, p: int, m: int, v: int) -> None:
-    if v < 2:
-        raise ConfigError(f"interleaved with chunks={v}: use chunks=2 or more (chunks=1 is 1f1b)")
+def _needs_interleaved(name: str, p: int, m: int, chunks: int) -> None:
+    if chunks < 2:
+        raise ConfigError(f"interleaved with chunks={chunks}: use chunks=2 or more (chunks=1 is 1f1b)")
     if m % p:
         raise ConfigError(f"interleaved needs microbatches a multiple of stages (Megatron's schedule): "
                           f"microbatches={m}, stages={p}; nearest valid microbatches={_nearest_multiple(m, p)}")
 
 
-def _needs_m_ge_p(name: str, p: int, m: int, v: int) -> None:
-    _one_chunk(name, p, m, v)
+def _needs_m_ge_p(name: str, p: int, m: int, chunks: int) -> None:
+    _one_chunk(name, p, m, chunks)
     if m < p:
         raise ConfigError(f"{name} needs microbatches >= stages: microbatches={m} < stages={p}; "
                           f"use microbatches={p} or more")
 
 
-def _needs_v(name: str, p: int, m: int, v: int) -> None:
-    if v != 2:
+def _needs_v(name: str, p: int, m: int, chunks: int) -> None:
+    if chunks != 2:
         raise ConfigError(f"dualpipe-v has 2 chunks per device (down the devices and back up), not "
-                          f"chunks={v}; drop chunks")
+                          f"chunks={chunks}; drop chunks")
     if m < 2 * p - 1:
         raise ConfigError(f"dualpipe-v needs microbatches >= 2*stages - 1 (device 0 runs 2p-1 forwards "
                           f"before its first backward): microbatches={m} < {2 * p - 1} for stages={p}; "

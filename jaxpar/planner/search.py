@@ -185,7 +185,7 @@ def evaluate(model: Model, cluster: Cluster, cand: Candidate, *, tokens, seq: in
 
     st = states.state_bytes(dense=model.dense_params, experts=model.expert_params, tp=c.tp, pp=c.pp, dp=c.dp,
                             ep=c.ep, zero=zero)
-    in_flight = pipeline_formulas.in_flight(c.schedule, p=c.pp, m=m, v=c.chunks)
+    in_flight = pipeline_formulas.in_flight(c.schedule, p=c.pp, m=m, chunks=c.chunks)
     act = activations.first_stage_bytes(block(model, activation_model), layers=model.layers, seq=seq,
                                         batch=c.microbatch, tp=c.tp, sp=c.tp > 1, cp=c.cp, recompute=c.recompute,
                                         pp=c.pp, in_flight=in_flight)

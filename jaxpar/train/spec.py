@@ -92,7 +92,8 @@ class ParallelSpec:
                                  chunks=self.chunks)
 
     @property
-    def virtual_chunks(self) -> int:
+    def resolved_chunks(self) -> int:
+        """`chunks` with None resolved: the chunks per device the schedule runs."""
         return orders.lookup(self.schedule).chunks if self.chunks is None else self.chunks
 
     def mesh(self, devices=None):
@@ -119,9 +120,9 @@ class ParallelSpec:
         if n_devices is not None and n_devices != self.devices:
             out.append(f"the mesh needs dp*pp*cp*ep*tp = {self.devices} devices, {n_devices} are available: "
                        f"choose sizes whose product is {n_devices}")
-        stages = self.pp * self.virtual_chunks
+        stages = self.pp * self.resolved_chunks
         if cfg.n_layers % stages:
-            out.append(f"n_layers={cfg.n_layers} does not split into pp*chunks = {self.pp}*{self.virtual_chunks} "
+            out.append(f"n_layers={cfg.n_layers} does not split into pp*chunks = {self.pp}*{self.resolved_chunks} "
                        f"= {stages} stages: use pp*chunks in ({errors.divisors(cfg.n_layers)})")
         tp = self.tp
         for name in ("n_heads", "vocab", "d_ff"):

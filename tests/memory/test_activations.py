@@ -61,9 +61,9 @@ def test_modern_blocks_constants():
 
 def test_in_flight_and_first_stage():
     assert in_flight("gpipe", p=8, m=64) == 64 and in_flight("1f1b", p=8, m=64) == 8
-    assert in_flight("interleaved", p=4, m=8, v=2) == 5.5   # 11 chunks of half a stage (the runtime's plan)
+    assert in_flight("interleaved", p=4, m=8, chunks=2) == 5.5   # 11 chunks of half a stage (the runtime's plan)
     assert in_flight("zb-h2", p=4, m=8) == 7 and in_flight("naive", p=4, m=8) == 1
-    assert in_flight("zb-h1", p=4, m=2) == 2 and in_flight("dualpipe-v", p=4, m=8, v=2) == 4   # 2p half-stage chunks
+    assert in_flight("zb-h1", p=4, m=2) == 2 and in_flight("dualpipe-v", p=4, m=8, chunks=2) == 4   # 2p half-stage chunks
     one = A.layer_bytes(GPT3, seq=2048, tp=8, sp=True)
     assert A.first_stage_bytes(GPT3, layers=96, seq=2048, tp=8, sp=True, pp=8,
                                in_flight=in_flight("1f1b", p=8, m=64)) == pytest.approx(12 * one * 8)

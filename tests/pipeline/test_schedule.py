@@ -234,7 +234,7 @@ def test_every_registry_closed_form_matches_the_table():
                     except ValueError:
                         continue
                     # the first stage's peak, in whole stages (v chunk-sized microbatches each)
-                    assert formulas.in_flight(name, p=p, m=m, v=s.chunks) == pytest.approx(
+                    assert formulas.in_flight(name, p=p, m=m, chunks=s.chunks) == pytest.approx(
                         max(s.peak_activations) / s.chunks), (name, p, m, v)
                     if kind.bubble is not None:
                         assert formulas.bubble(name, p, m, s.chunks) == pytest.approx(float(bubble(s))), (name, p, m)

@@ -101,7 +101,7 @@ def configurations(draw, family: str = "any") -> Drawn:
         renormalize = router == "sigmoid" or draw(st.booleans())
         balance = dict(router=router, aux_loss=draw(st.sampled_from([0.0, 0.01])),
                        bias_rate=draw(st.sampled_from([0.0, 1e-3])) if router == "sigmoid" else 0.0)
-    stages = pp * spec.virtual_chunks        # deeper stacks add compile time, not coverage: <= 2 layers a stage
+    stages = pp * spec.resolved_chunks        # deeper stacks add compile time, not coverage: <= 2 layers a stage
     cfg = reference.ModelConfig(
         n_layers=stages * (draw(st.sampled_from([1, 2])) if stages <= 4 else 1) if pp > 1 else draw(st.integers(1, 2)),
         d_model=draw(st.sampled_from([8, 16])), n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,

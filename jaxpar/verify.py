@@ -60,14 +60,14 @@ def check_comms() -> Result:
 
     def body(x):  # x: f32[8, 16] per device
         def step(c, _):
-            c = jax.lax.ppermute(c, "dp", ring_pairs(n))
-            return c + jax.lax.psum(c, "dp"), None
+            c = jax.lax.ppermute(c, mesh_lib.DP, ring_pairs(n))
+            return c + jax.lax.psum(c, mesh_lib.DP), None
         c, _ = jax.lax.scan(step, x, None, length=steps)
-        g = jax.lax.all_gather(c, "dp", tiled=True)            # f32[8n, 16]
-        r = jax.lax.psum_scatter(g, "dp", tiled=True)          # f32[8, 16]
-        return jax.lax.all_to_all(r, "dp", 0, 0, tiled=True) if rows_per_dev % n == 0 else r
+        g = jax.lax.all_gather(c, mesh_lib.DP, tiled=True)            # f32[8n, 16]
+        r = jax.lax.psum_scatter(g, mesh_lib.DP, tiled=True)          # f32[8, 16]
+        return jax.lax.all_to_all(r, mesh_lib.DP, 0, 0, tiled=True) if rows_per_dev % n == 0 else r
 
-    f = jax.jit(jax.shard_map(body, mesh=m, in_specs=P("dp"), out_specs=P("dp")))
+    f = jax.jit(jax.shard_map(body, mesh=m, in_specs=P(mesh_lib.DP), out_specs=P(mesh_lib.DP)))
     x = jnp.ones((rows_per_dev * n, cols), jnp.float32)
     got = comms.nonzero(comms.collective_stats(f, x))
     block = rows_per_dev * cols * 4

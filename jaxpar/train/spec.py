@@ -22,7 +22,7 @@ from jaxpar.errors import ConfigError, is_whole
 from jaxpar.pipeline import orders
 from jaxpar.pipeline import schedule as schedule_lib
 
-AXES = ("dp", "pp", "cp", "ep", "tp")          # mesh order: tp innermost (mesh.AXIS_ORDER)
+AXES = (mesh_lib.DP, mesh_lib.PP, mesh_lib.CP, mesh_lib.EP, mesh_lib.TP)   # mesh order: tp innermost (mesh.AXIS_ORDER)
 ATTENTION = ("ring", "ulysses")
 LAYOUTS = ("contiguous", "zigzag")
 

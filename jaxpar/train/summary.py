@@ -29,7 +29,7 @@ from jaxpar import comms
 from jaxpar.data import formulas as data_formulas
 from jaxpar.data.reduce import weights
 from jaxpar.expert import formulas as ep_formulas
-from jaxpar.mesh import DP, PP
+from jaxpar.mesh import CP, DP, EP, PP, TP
 from jaxpar.pipeline import formulas as pipe_formulas
 from jaxpar.pipeline.plan import LANE_SCOPES
 from jaxpar.train import formulas as train_formulas
@@ -66,7 +66,7 @@ def expected_reductions(trainer) -> dict[int, float]:
     cfg = trainer.cfg
     if cfg.n_experts:   # load balancing's statistics of this device's layers, once a step
         balance = ep_formulas.balance_reduction(cfg=cfg, layers=cfg.n_layers // spec.pp, dtype=trainer.dtype,
-                                                **{a: sizes[a] for a in ("dp", "ep", "cp", "tp")})
+                                                **{a: sizes[a] for a in (DP, EP, CP, TP)})
         for n, nbytes in balance.items():
             out[n] = out.get(n, 0.0) + nbytes
     return out

@@ -1,5 +1,5 @@
-"""Planner speed: a full sweep for 16384 GPUs (the issue's bound: under 1 s), and the
-planner's start-up without JAX.
+"""Planner speed: a full sweep for 16384 GPUs (bound: under 1 s, so that `jaxpar plan` answers
+at the prompt while one tries sizes), and the planner's start-up without JAX.
 
     python -m benchmarks.planner
     python -m benchmarks.run planner

@@ -1,5 +1,6 @@
-"""The layering of DESIGN.md: the import-linter contracts of pyproject.toml hold, no jaxpar
-import hides inside a function below cli/, and the pure-Python parts start without JAX."""
+"""The layering of docs/design.md ("Who may import whom"): the import-linter contracts of
+pyproject.toml hold, no jaxpar import hides inside a function below cli/, and the
+pure-Python parts start without JAX."""
 
 import ast
 import pathlib

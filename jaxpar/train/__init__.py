@@ -1,4 +1,4 @@
-"""Techniques composed (DESIGN.md "Composition"): the only package that imports several.
+"""Techniques composed (docs/train.md): the only package that imports several.
 
     spec        ParallelSpec: how the model is split; every violated constraint at once
     model       the model as flax NNX params with partition metadata; its per-shard block,

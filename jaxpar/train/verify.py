@@ -80,7 +80,7 @@ MOE = dataclasses.replace(DENSE, n_experts=4, top_k=2)
 DEEP = dataclasses.replace(DENSE, n_layers=16)          # pp8 x 2 chunks
 OPTIM = OptimConfig(lr=1e-2, warmup=3, steps=20, clip=0.5)   # clip < the norms seen: clipping is exercised
 
-# eight meshes covering every axis and schedule family (DESIGN.md "Composition"), each with the model it needs
+# eight meshes covering every axis and schedule family (docs/train.md), each with the model it needs
 MESHES: dict[str, tuple[ParallelSpec, reference.ModelConfig, int]] = {
     "1 device": (ParallelSpec(), DENSE, 8),
     "dp2 pp2 tp2": (ParallelSpec(dp=2, pp=2, tp=2, microbatches=2), DENSE, 8),

@@ -16,7 +16,9 @@ the schedule it executes.
 * to_stages / from_stages for both placements, and a hypothesis property over drawn cases.
 
 Each verify.compare compiles one program (seconds), so every case is compiled
-once per process (`_compare` caches) and the sweep holds only the cases the issue lists.
+once per process (`_compare` caches) and the sweep holds only the cases above: p = 2
+and 4 (no middle device, then two), m = 1 (no overlap), 4 and 8 (m < p, m = p, m > p
+at p = 4), enough for every schedule's fill, steady state and drain.
 """
 
 import functools

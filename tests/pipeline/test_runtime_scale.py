@@ -1,4 +1,4 @@
-"""The pipeline runtime at scale (issue 12): one scan whatever m, layers scanned, the
+"""The pipeline runtime at scale: one scan whatever m, layers scanned, the
 built step cached, weight gradients in place (memory flat in m at p = 2), stages from
 flax NNX modules, and the guarded ppermutes counted exactly.
 

@@ -1,4 +1,4 @@
-"""Composed stages (issue 12): the pipeline runtime in one shard_map over dp x pp x tp,
+"""Composed stages: the pipeline runtime in one shard_map over dp x pp x tp,
 tensor-parallel blocks as per-shard stages, the vocab-parallel embedding on the first
 stage and the LM head with the vocab-parallel cross-entropy on the last, against
 reference.loss: the loss and every gradient, embedding and head included."""

@@ -123,12 +123,12 @@ def sequences(tokens, seq) -> int:
 ACTIVATIONS = ("block", "gpt")
 
 
-def block(model: Model, kind: str = "block") -> activations.Block:
+def block(model: Model, activation_model: str = "block") -> activations.Block:
     """The layer the activation model counts: the model's own ("block": its MLP, KV
     heads, dropout or not), or the GPT-3 layer of Korthikanti's 34 sbh + 5 as^2 b with the
     model's h and a ("gpt", as the lecture's planner counts)."""
-    errors.one_of("activations", kind, ACTIVATIONS)
-    if kind == "gpt":
+    errors.one_of("activations", activation_model, ACTIVATIONS)
+    if activation_model == "gpt":
         return activations.Block(hidden=model.hidden, heads=model.heads)
     return activations.Block(hidden=model.hidden, heads=model.heads, kv_heads=model.kv_heads,
                              ffn=model.ffn, mlp=model.mlp, dropout=model.dropout)
@@ -150,7 +150,7 @@ def tp_wire_bytes(model: Model, *, tokens: int, tp: int, passes: int = 2) -> flo
     for backward in (False, True, False)[:passes]:     # forward, backward, the recomputed forward
         c = tensor_formulas.tp_block_collectives(cfg=_sizes(model), batch_size=1, seq_len=tokens, dtype=ACT_DTYPE,
                                                  tp=tp, backward=backward)
-        total += sum(b * (2 if kind == "all-reduce" else 1) * (tp - 1) / tp for kind, (_, b) in c.items())
+        total += sum(b * (2 if op == "all-reduce" else 1) * (tp - 1) / tp for op, (_, b) in c.items())
     return total
 
 

@@ -2,35 +2,99 @@
 
     python examples/04_activation_memory.py
 
-Mirrors the lecture's 04_activation_memory.py, lecture figures beside jaxpar's:
+Mirrors the lecture's 04_activation_memory.py, lecture figures beside jaxpar's. Opens
+with the technique: the activation model (Korthikanti et al. 2022, term by term) of one
+small layer, sbh(32 + 2as/h) without dropout, against what XLA keeps for the backward:
+the compiled program's memory_analysis, unsharded and with TP + SP over 4 devices. Then:
   demo 1  GPT-3 175B's layer (s=2048, h=12288, a=96, b=1), Korthikanti's terms:
           0.86 + 2.01 = 2.87 GB, 275 GB for 96 layers;
   demo 2  the same layer with t = 8: TP, TP + SP, selective and full recompute;
   demo 3  TP + SP at t = 8 as the sequence grows 2K -> 128K: 34sbh/t from 0.11 to 6.85 GB,
           the attention matrix's share from 70% to 99%;
   demo 4  modern blocks (no dropout, SwiGLU, grouped-query, flash attention): Llama 3 405B;
-  demo 5  the model against the compiled program on 8 fake CPU devices: one layer's stored
-          activations measured from memory_analysis, and the pipeline's in-flight microbatches;
+  demo 5  the microbatches each schedule keeps in flight on the first stage: the model
+          against the residual slots of the runtime's plan;
   demo 6  model-state memory and ZeRO 0-3 for Llama 3 405B on TP 8 x PP 16 x DP 128.
+Every case against the compiled program (TP alone, selective and full recompute, plain
+autodiff, the pipeline's compiled memory): `jaxpar verify memory`.
 """
 
 from jaxpar import mesh
 
 n = mesh.use_cpu_devices(8)
 
+import dataclasses  # noqa: E402
+from functools import partial  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jaxpar import reference, tensor  # noqa: E402
 from jaxpar.memory import activations as A  # noqa: E402
 from jaxpar.memory import states  # noqa: E402
 from jaxpar.memory import verify  # noqa: E402
 from jaxpar.pipeline import formulas as pipeline_formulas  # noqa: E402
+from jaxpar.pipeline import orders, plan, schedule  # noqa: E402
 from jaxpar.planner import catalog  # noqa: E402
 from jaxpar.planner.search import block  # noqa: E402
 
 GPT3 = A.Block(hidden=12288, heads=96)
 QUADRATIC = ("softmax output", "softmax dropout mask", "dropout output")
+CFG = verify.CFG                    # D=256, 8 heads of 32, GeLU MLP of 1024, no dropout
+B, T = 2, 256                       # float32 activations
+# keep exactly the tensors Megatron's layer stores (verify.tagged_block names them), recompute the rest
+MEGATRON = jax.checkpoint_policies.save_only_these_names(*verify.SAVED["none"])
+
+
+def shapes(cfg: reference.ModelConfig) -> dict:
+    """reference.init_params(cfg)'s shapes and dtypes: nothing drawn, nothing compiled."""
+    return jax.eval_shape(lambda: reference.init_params(jax.random.key(0), cfg))
+
+
+def stored_per_layer(tp: int, sp: bool) -> float:
+    """One layer's stored activations on one device, read from the compiled program: the
+    temp bytes (memory_analysis) of jit(grad) of a scan over 4 layers minus over 2, halved
+    (the weights, gradients and loss are the same in both and cancel)."""
+    layer = jax.checkpoint(partial(verify.tagged_block, cfg=CFG, axis=mesh.TP if tp > 1 else None, sp=sp),
+                           policy=MEGATRON)
+
+    def loss(blocks, x):                                # blocks: each weight stacked [L, ...]
+        y, _ = jax.lax.scan(lambda h, p: (layer(p, h), None), x, blocks)
+        return jnp.sum(y * y)
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    if tp > 1:                                          # Megatron's layout, weights [L, ...] split by tp
+        m = mesh.make_mesh(tp=tp, devices=jax.devices()[:tp])
+        specs = tensor.TPSpecs.megatron(n_kv_heads=CFG.n_kv_heads, tp=tp).params(shapes(CFG)["blocks"])
+        specs = {k: P(None, *s) for k, s in specs.items()}
+        act = P(None, mesh.TP) if sp else P()           # x [B, T/t, D] per device under SP
+        grad = jax.shard_map(grad, mesh=m, in_specs=(specs, act), out_specs=(specs, act))
+
+    def temp_bytes(layers: int) -> int:
+        cfg = dataclasses.replace(CFG, n_layers=layers)
+        blocks = shapes(cfg)["blocks"]
+        x = jax.ShapeDtypeStruct((B, T, CFG.d_model), jnp.float32)
+        return jax.jit(grad).lower(blocks, x).compile().memory_analysis().temp_size_in_bytes
+
+    return (temp_bytes(4) - temp_bytes(2)) / 2
+
+
+def lesson():
+    s, b, h, a = T, B, CFG.d_model, CFG.n_heads
+    print(f"== one layer's stored activations, s={s} b={b} h={h} a={a}, float32: the model against the compiled "
+          "program ==")
+    layer = A.Block(hidden=h, heads=a, ffn=CFG.d_ff, dropout=False, act_bytes=4)   # the same layer, for the model
+    print(f"  model, no dropout: sbh(32 + 2as/h) bytes at 16 bits, x 2 in float32 = "
+          f"{s * b * h * (32 + 2 * a * s / h) * 2 / 2**20:.2f} MiB; TP + SP splits every term t ways")
+    for name, tp, sp in (("no parallelism", 1, False), ("TP + SP, t=4", 4, True)):
+        model = A.layer_bytes(layer, seq=s, batch=b, tp=tp, sp=sp)
+        print(f"  {name:<16} per layer {stored_per_layer(tp, sp) / 2**20:.2f} MiB compiled, "
+              f"{model / 2**20:.2f} MiB model")
 
 
 def demo_layer():
-    print("== demo 1: one GPT-3 175B layer, s=2048 b=1 (16-bit activations, 1-byte masks) ==")
+    print("\n== demo 1: one GPT-3 175B layer, s=2048 b=1 (16-bit activations, 1-byte masks) ==")
     terms = A.breakdown(GPT3, seq=2048)
     for name, b in terms:
         print(f"  {name:<28} {b / 1e9:7.3f} GB")
@@ -75,12 +139,17 @@ def demo_modern():
           "(no s^2 term: the softmax statistics instead)")
 
 
-def demo_compiled():
-    print("\n== demo 5: the model against the compiled program (f32, B=2, T=256, D=256, 8 heads; every case: "
-          "jaxpar verify memory) ==")
-    cases = [c for c in verify.CASES if c[0] in ("no parallelism", "TP+SP t=4", "selective recompute")]
-    for r in verify.check_memory(cases=cases) + verify.check_pipeline_memory(m=4, seq=64):
-        print(f"  {r.name:<48} {'ok' if r.passed else 'FAIL'}  {r.note}")
+def demo_pipeline(p=4, m=8):
+    print(f"\n== demo 5: microbatches in flight on the first stage, p={p} m={m}: the model against the residual "
+          "slots the runtime's plan allocates ==")
+    forms = {"one": "1", "all": "m", "p": "p", "2p-1": "2p - 1", "interleaved": "p + (p - 1)/v"}
+    for name in ("gpipe", "1f1b", "zb-h2", "interleaved", "dualpipe-v"):
+        s = schedule.make(name, stages=p, microbatches=m)
+        slots = plan.plan(s).n_res                      # each slot holds one chunk's residuals: 1/chunks stage
+        model = pipeline_formulas.in_flight(name, p=p, m=m, chunks=s.chunks)
+        form = forms[orders.REGISTRY[name].in_flight]
+        print(f"  {name:<12} plan slots {slots:>2} of 1/{s.chunks} stage = {slots / s.chunks:g} stages; model "
+              f"{form} = {model:g}  {'ok' if slots / s.chunks == model else 'FAIL'}")
 
 
 def demo_states():
@@ -93,9 +162,10 @@ def demo_states():
 
 
 if __name__ == "__main__":
+    lesson()
     demo_layer()
     demo_parallel()
     demo_long()
     demo_modern()
-    demo_compiled()
+    demo_pipeline()
     demo_states()

@@ -67,9 +67,10 @@ class Comparison:
                       seconds=self.seconds, note=note or "loss, dx, every param grad vs unsharded; NaN in bubbles")
 
 
-def model(kind: str, n_layers: int, rows: int, dtype=jnp.float32, width: int = 32):
-    """(stage_fn, params, batch) of the lecture MLP (width) or of reference blocks."""
-    if kind == "mlp":
+def model(layers: str, n_layers: int, rows: int, dtype=jnp.float32, width: int = 32):
+    """(stage_fn, params, batch) of n_layers `layers`: "mlp", the lecture's MLP layers
+    (width), or "blocks", reference transformer blocks."""
+    if layers == "mlp":
         return stage.mlp_stage, stage.mlp_params(n_layers, width, dtype), stage.mlp_batch(rows, width, dtype)
     cfg = reference.ModelConfig(n_layers=n_layers, d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=32,
                                 mlp="swiglu")
@@ -85,7 +86,7 @@ def expected_collectives(pipe: runtime.Pipeline, params, batch):
         param_bytes=sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params)))
 
 
-def compare(name: str, stages: int, microbatches: int, *, dp: int = 1, kind: str = "mlp", dtype=jnp.float32,
+def compare(name: str, stages: int, microbatches: int, *, dp: int = 1, layers: str = "mlp", dtype=jnp.float32,
             chunks: int | None = None, n_layers: int | None = None, recompute: bool = False,
             bubble_fill: float = float("nan"), rows: int | None = None) -> Comparison:
     """Run `name` on a dp x pp mesh (bubble slots filled with NaN by default) and compare
@@ -94,7 +95,7 @@ def compare(name: str, stages: int, microbatches: int, *, dp: int = 1, kind: str
     s = schedule.make(name, stages=stages, microbatches=microbatches, chunks=chunks)
     n_layers = n_layers or 2 * s.virtual_stages
     rows = rows or 2 * microbatches * dp
-    stage_fn, params, batch = model(kind, n_layers, rows, dtype)
+    stage_fn, params, batch = model(layers, n_layers, rows, dtype)
     m = mesh_lib.make_mesh(dp=dp, pp=stages, devices=jax.devices()[:dp * stages])
     pipe = runtime.pipeline(s, stage_fn, params, batch, mesh=m, recompute=recompute, bubble_fill=bubble_fill)
     compiled = pipe.step.lower(runtime.to_stages(params, s), *batch, None, None).compile()
@@ -118,7 +119,7 @@ def check_runtime() -> list[Result]:
     dp = 2 if n >= 2 * p else 1
     return [compare("1f1b", p, 8, dp=dp).result("lecture MLP (8 layers, 2 per stage); NaN in bubbles"),
             compare("interleaved", p, 2 * p, chunks=2).result(),
-            compare("zb-h2", p, p, kind="blocks", n_layers=p).result("reference blocks (GQA, SwiGLU), B/W split"),
+            compare("zb-h2", p, p, layers="blocks", n_layers=p).result("reference blocks (GQA, SwiGLU), B/W split"),
             compare("dualpipe-v", p, 2 * p, dp=dp).result("V placement: chunk 1 runs back up the devices"),
             check_nnx(p)]
 

@@ -76,8 +76,8 @@ def by_hand_permutes(name: str, p: int, m: int) -> int | None:
 
 
 @functools.cache
-def _compare(name, p, m, dp=1, recompute=False, kind="mlp", n_layers=None, dtype=jnp.float32):
-    return verify.compare(name, p, m, dp=dp, recompute=recompute, kind=kind, n_layers=n_layers,
+def _compare(name, p, m, dp=1, recompute=False, layers="mlp", n_layers=None, dtype=jnp.float32):
+    return verify.compare(name, p, m, dp=dp, recompute=recompute, layers=layers, n_layers=n_layers,
                                   dtype=dtype)
 
 
@@ -227,7 +227,7 @@ def test_recompute_gives_the_same_results(name, p, m):
 
 @pytest.mark.parametrize("name,p,m", cases([("1f1b", 2, 2), ("zb-h1", 2, 2)]))
 def test_reference_blocks_as_stages(name, p, m):
-    c = _compare(name, p, m, kind="blocks", n_layers=p)  # one block per stage: compiles faster
+    c = _compare(name, p, m, layers="blocks", n_layers=p)  # one block per stage: compiles faster
     assert_matches(c)
 
 

@@ -143,7 +143,7 @@ def make(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn
     _check_functions(schedule, stage_fn, loss_fn, first_fn)
     require_mesh(mesh, axes=(PP,), needed_by="the pipeline runtime")
     if schedule.stages != axis_size(mesh, PP):
-        raise ConfigError(f"schedule {schedule.name!r} is built for p={schedule.stages} stages but the mesh has "
+        raise ConfigError(f"schedule {schedule.name!r} is built for p={schedule.stages} devices but the mesh has "
                           f"{PP}={axis_size(mesh, PP)}: make it with schedule.make({schedule.name!r}, "
                           f"stages={axis_size(mesh, PP)}, ...)")
     n_layers = _layer_count(params, schedule)
@@ -192,10 +192,11 @@ def _layer_count(params, schedule: Schedule) -> int:
     if any(a.ndim == 0 or a.shape[0] != n_layers for a in leaves):
         raise ConfigError(f"params leaves have leading axes {[tuple(a.shape[:1]) for a in leaves]}: every leaf "
                           "stacks the same number of layers on axis 0")
-    p, v, stages = schedule.stages, schedule.chunks, schedule.virtual_stages
-    if n_layers == 0 or n_layers % stages:
-        raise ConfigError(f"{n_layers} layers do not split into p*v = {p}*{v} = {stages} stages: use a "
-                          f"layer count divisible by {stages} (at least {stages}) or another p or v")
+    n_stages = schedule.virtual_stages     # the model's stages: p devices x chunks each
+    if n_layers == 0 or n_layers % n_stages:
+        raise ConfigError(f"{n_layers} layers do not split into p*v = {schedule.stages}*{schedule.chunks} = "
+                          f"{n_stages} stages: use a layer count divisible by {n_stages} (at least {n_stages}) "
+                          "or another p or v")
     return n_layers
 
 

@@ -2,10 +2,12 @@
 
     python examples/07_parallel_planner.py
 
-Mirrors the lecture's 07_parallel_planner.py. Pure Python (no JAX):
-  demo 1  Llama 3 405B on 16384 H100, seq 8192, 16M tokens: the fastest feasible
-          configurations, TP 8 vs TP 16 communication, the bubble at p x d = 2048,
-          and the published TP 8 x PP 16 x DP 128 beside the planner's choice;
+Mirrors the lecture's 07_parallel_planner.py. Pure Python (no JAX). Opens with the
+technique: one call, `search.best(model, cluster, tokens=..., seq=...)`, for Llama 3 405B
+on 16384 H100, and the plan it returns explained: microbatches, memory per GPU term by
+term, and the step time from compute, communication and the pipeline bubble. Then:
+  demo 1  the fastest feasible configurations, TP 8 vs TP 16 communication, the bubble
+          at p x d = 2048, and the published TP 8 x PP 16 x DP 128;
   demo 2  Llama 3 8B on 64 GPUs, 4M tokens: t = p = 1, all data parallel;
   demo 3  the published configurations of real trainings, evaluated by the planner;
   demo 4  exercises 1, 3, 7 and 8;
@@ -23,8 +25,26 @@ from jaxpar.planner import search as S
 H100 = catalog.accelerator("h100")
 
 
+def lesson():
+    print("== Llama 3 405B on 16384 H100 (MFU 50%, ZeRO-1), 16M tokens a step in sequences of 8192: the plan ==")
+    model, cluster = catalog.model("llama3-405b"), S.Cluster(gpu=H100, gpus=16384)
+    plan = S.best(model, cluster, tokens=16 * 2**20, seq=8192)     # every (tp, pp, dp, v, mb, recompute) tried
+    c, t = plan.candidate, plan.times
+    print(f"  {c.label()}: tensor {c.tp}-way in a node, {c.pp} pipeline stages of {c.chunks} chunks each ({c.schedule} "
+          f"schedule), {c.dp} data-parallel replicas, {c.recompute} recompute")
+    print(f"  m = {S.sequences(16 * 2**20, 8192)} sequences / (dp {c.dp} x microbatch {c.microbatch}) = "
+          f"{plan.microbatches} microbatches per pipeline; bubble {plan.bubble:.1%}")
+    mem = plan.memory
+    print(f"  memory per GPU: params {mem['params'] / 1e9:.2f} + grads {mem['grads'] / 1e9:.2f} + optimizer "
+          f"{mem['optimizer'] / 1e9:.2f} (ZeRO-1 over dp) + activations {mem['activations'] / 1e9:.2f} = "
+          f"{mem['total'] / 1e9:.1f} GB of {H100.memory / 1e9:.0f} GB")
+    print(f"  step = (compute {t['compute']:.2f} + TP {t['tp']:.2f} + PP {t['pp']:.2f} s) / (1 - bubble) + "
+          f"DP {t['dp']:.2f} s = {plan.step:.2f} s")
+    print(f"  the rule (lecture 7.2): of the plans within {S.TIE:.0%} of the fastest, the least model parallelism")
+
+
 def demo_405b():
-    print("== demo 1: Llama 3 405B, 16384 H100, seq 8192, 16M tokens, MFU 50%, ZeRO-1 ==")
+    print("\n== demo 1: Llama 3 405B, 16384 H100, seq 8192, 16M tokens, MFU 50%, ZeRO-1 ==")
     model, cluster = catalog.model("llama3-405b"), S.Cluster(gpu=H100, gpus=16384)
     start = time.perf_counter()
     found = S.search(model, cluster, tokens=16 * 2**20, seq=8192)
@@ -43,7 +63,6 @@ def demo_405b():
     print(f"  published TP 8 PP 16 DP 128: m = {pub.microbatches}, bubble {pub.bubble:.1%} (lecture: near 50%); "
           f"selective recompute {sel.memory['total'] / 1e9:.0f} GB > 80 GB, full recompute "
           f"{pub.memory['total'] / 1e9:.0f} GB")
-    print(f"  planner's choice: {S.best(model, cluster, tokens=16 * 2**20, seq=8192).candidate.label()}")
 
 
 def demo_8b():
@@ -82,6 +101,7 @@ def demo_bad_input():
 
 
 if __name__ == "__main__":
+    lesson()
     demo_405b()
     demo_8b()
     demo_published()

@@ -12,8 +12,8 @@ with, and ZeRO.
 >>> from jaxpar import data
 >>> grads = data.reduce_gradients(grads, pspecs, batch_axes=("dp",))      # inside shard_map
 
-The composed trainer (`train.step`) ends with these; `pipeline.runtime.pipeline` sums its
-gradients by the same rule. Not to be confused with `jaxpar.train.data`, the training
+The composed trainer (`train.step`) and the pipeline runtime (`pipeline.runtime.pipeline`)
+end with reduce_gradients. Not to be confused with `jaxpar.train.data`, the training
 text. The names below load from their module on first use (PEP 562), so that importing
 `jaxpar.data.formulas` does not start JAX.
 """

@@ -17,7 +17,7 @@ from jaxpar.collectives import varying
 from jaxpar.mesh import DP, PP, axis_size, require_mesh
 from jaxpar.pipeline import schedule as schedule_lib
 from jaxpar.pipeline.runtime import Pipeline, request
-from jaxpar.pipeline.stage import mse
+from jaxpar.pipeline.stage import mse, to_microbatches
 
 
 def gpipe_baseline(stage_fn: Callable, params, batch, *, mesh, microbatches: int,
@@ -36,11 +36,10 @@ def gpipe_baseline(stage_fn: Callable, params, batch, *, mesh, microbatches: int
 
     def local(params, inputs, targets, first_params, last_params):  # the runtime's signature; no first/last
         stage_params = jax.tree.map(lambda a: a[0, 0], params)       # [Lc, ...]
-        split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])  # [m, mb, ...]
         me = jax.lax.axis_index(PP)
 
         def loss_of(stage_params, inputs):
-            xs, ts = split(inputs), split(targets)
+            xs, ts = to_microbatches(inputs, m), to_microbatches(targets, m)     # [m, mb, ...]
             state = varying(jnp.full(xs.shape[1:], bubble_fill, xs.dtype), axes)
             outs = varying(jnp.full(xs.shape, bubble_fill, xs.dtype), axes)
 

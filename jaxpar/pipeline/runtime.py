@@ -14,7 +14,8 @@ plan's steps (`plan.py`), inside ONE shard_map over every axis of the mesh:
   * over pp, the schedule: each device runs its row of the plan;
   * over the axes `batch_spec` splits the batch on (dp by default; (dp, ep), or cp on the
     sequence, for a composed model), data parallelism: the gradients of a weight are
-    summed once, at the end, over those of these axes its PartitionSpec does not split;
+    summed once, at the end, over those of these axes its PartitionSpec does not split
+    (`jaxpar.data.reduce_gradients`, the trainer's reduction too);
   * over any other axis (tp, ...), nothing: the stage function is per-shard code, and
     `param_specs` (PartitionSpecs of one layer's parameters, over the non-pp axes) say
     how its parameters are split. A TP stage is `tensor.layers.block_shard` over tp.
@@ -43,6 +44,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.data.reduce import reduce_gradients
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import PP
 from jaxpar.pipeline import passes as passes_lib
@@ -51,7 +53,7 @@ from jaxpar.pipeline import request as request_lib
 from jaxpar.pipeline.program import Program
 from jaxpar.pipeline.request import Request
 from jaxpar.pipeline.schedule import Schedule
-from jaxpar.pipeline.stage import Grads, from_stages, layers, mse, spec_axes, to_stages
+from jaxpar.pipeline.stage import Grads, from_microbatches, from_stages, layers, mse, to_microbatches, to_stages
 
 __all__ = ["Grads", "Local", "Pipeline", "Request", "from_stages", "layers", "local", "mse", "pipeline", "request",
            "run", "run_pipeline", "to_stages"]
@@ -124,22 +126,16 @@ def pipeline(request: Request | Schedule, *args, **options) -> Pipeline:
     built = local(request, *args, **options)
     req, plan, program, m = built.request, built.plan, built.program, built.request.schedule.microbatches
 
-    def reduce(tree, specs):
-        """Sum each leaf over the batch axes its spec does not split (once, at the end)."""
-        def one(a, spec):
-            over = tuple(x for x in req.batch_axes if x not in spec_axes(spec))
-            return jax.lax.psum(a, over) if over else a
-        return jax.tree.map(one, tree, specs)
+    reduce = functools.partial(reduce_gradients, batch_axes=req.batch_axes)   # (grads, specs) -> summed grads
 
     def per_device(params, inputs, targets, first_params, last_params):
         params = jax.tree.map(lambda a: a[0], params)                 # [v, Lc, ...]
-        split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])  # [m, mb, ...]
-        loss, grads, dx, g_first, g_last = program(params, split(inputs), split(targets), first_params,
-                                                   last_params)
+        loss, grads, dx, g_first, g_last = program(params, to_microbatches(inputs, m), to_microbatches(targets, m),
+                                                   first_params, last_params)
         loss = jax.lax.psum(loss, req.batch_axes) if req.batch_axes else loss
         grads, g_first, g_last = (reduce(grads, req.param_specs), reduce(g_first, req.first_specs),
                                   reduce(g_last, req.last_specs))
-        dx = dx.reshape(-1, *dx.shape[2:])[None] if req.input_grads else None
+        dx = from_microbatches(dx)[None] if req.input_grads else None
         lead = lambda t: jax.tree.map(lambda a: a[None], t)
         return loss[None], lead(grads), dx, lead(g_first), lead(g_last)
 

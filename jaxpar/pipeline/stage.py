@@ -69,6 +69,20 @@ def unstack(stacked) -> list:
     return [jax.tree.map(lambda a: a[j], stacked) for j in range(n)]
 
 
+# ---- the batch as microbatches ---------------------------------------------------------------
+
+def to_microbatches(a, microbatches: int):
+    """[rows, ...] -> [microbatches, rows / microbatches, ...]: microbatch i is rows
+    [i*mb, (i+1)*mb) (a reshape, no data moves). The caller has checked that
+    `microbatches` divides rows (`request.py`)."""
+    return a.reshape(microbatches, a.shape[0] // microbatches, *a.shape[1:])
+
+
+def from_microbatches(a):
+    """Inverse of to_microbatches: [m, mb, ...] -> [m * mb, ...]."""
+    return a.reshape(-1, *a.shape[2:])
+
+
 # ---- the layout of the layers over the stages ---------------------------------------------
 
 def spec_axes(spec) -> set[str]:

@@ -45,7 +45,7 @@ from jaxpar.data import zero
 from jaxpar.data.reduce import reduce_gradients
 from jaxpar.mesh import PP, TP
 from jaxpar.pipeline import runtime
-from jaxpar.pipeline.stage import from_stages, to_stages
+from jaxpar.pipeline.stage import from_stages, to_microbatches, to_stages
 from jaxpar.train import balance
 from jaxpar.train import model as model_lib
 from jaxpar.train import optim as optim_lib
@@ -172,12 +172,11 @@ class Trainer:
 
         def per_device(state, inputs, targets):
             params = state.params
-            split_mb = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])
             blocks = jax.tree.map(lambda a: a[0], params["blocks"])
             if balancing:
                 blocks = {**blocks, balance.STATS: balance.slots(blocks, cfg, tp, self.dtype)}
-            loss, g_blocks, _, g_first, g_last = program(blocks, split_mb(inputs), split_mb(targets),
-                                                         params["first"], params["last"])
+            xs, ts = to_microbatches(inputs, m), to_microbatches(targets, m)            # [m, mb, ...]
+            loss, g_blocks, _, g_first, g_last = program(blocks, xs, ts, params["first"], params["last"])
             if balancing:
                 g_blocks = dict(g_blocks)
                 load, aux = balance.totals(g_blocks.pop(balance.STATS), stats_axes)   # [v, Lc, E], [v, Lc]

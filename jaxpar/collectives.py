@@ -16,9 +16,20 @@ import jax
 import jax.numpy as jnp
 
 
+def varying_axes(x) -> tuple[str, ...]:
+    """The mesh axes x is typed varying over, sorted: inside shard_map, those of its type's
+    manual axes it may differ over; outside shard_map, and for a value whose type has no
+    manual axes, none. x: an array, tracer or ShapeDtypeStruct."""
+    try:
+        axes = jax.typeof(x).manual_axis_type.varying
+    except AttributeError:
+        return ()
+    return tuple(sorted(axes))
+
+
 def is_varying(x, axis: str) -> bool:
     """Whether x is typed varying over `axis` (inside shard_map)."""
-    return axis in jax.typeof(x).manual_axis_type.varying
+    return axis in varying_axes(x)
 
 
 def pvary(x, axis: str):

@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxpar.collectives import varying_axes
+
 
 def _start(index: tuple, ndim: int) -> tuple:
     return tuple(jnp.asarray(i, jnp.int32) for i in (*index, *(0,) * (ndim - len(index))))
@@ -61,7 +63,7 @@ def shapes_and_axes(fn: Callable) -> tuple[list, list[tuple[str, ...]]]:
 
     def traced():
         out = fn()
-        axes.extend(tuple(jax.typeof(a).manual_axis_type.varying) for a in out)
+        axes.extend(varying_axes(a) for a in out)
         return out
     return jax.eval_shape(traced), axes
 

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar import reference
-from jaxpar.collectives import varying
+from jaxpar.collectives import varying, varying_axes
 from jaxpar.expert import router
 from jaxpar.mesh import CP, TP
 
@@ -70,10 +70,6 @@ def stats_dtype(dtype):
 # derivative is written by hand, from the counts, and each cotangent's type is set from
 # its primal's static type.
 
-def _axes(x) -> tuple[str, ...]:
-    return tuple(sorted(jax.typeof(x).manual_axis_type.varying))
-
-
 def add_balance_loss(y, counts, prob_sums, weight, *, seq_len: int, top_k: int, cp: int):
     """(y unchanged, aux [s]): per sequence aux = E sum_e f_e P_e from this device's sums
     counts, prob_sums [s, E] (`router.sequence_sums`), added over cp first. Backward: y's
@@ -83,7 +79,7 @@ def add_balance_loss(y, counts, prob_sums, weight, *, seq_len: int, top_k: int, 
     counts get none (a choice has no gradient)."""
     weight = jnp.asarray(weight, counts.dtype)
     return _balance_loss(y, counts, prob_sums, weight,
-                         (seq_len, top_k, cp, _axes(counts), _axes(prob_sums), _axes(weight)))
+                         (seq_len, top_k, cp, varying_axes(counts), varying_axes(prob_sums), varying_axes(weight)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -115,7 +111,7 @@ def report(y, slot, values):
     """y, unchanged. Backward: `slot` gets `values` (no gradient of their own) as its
     cotangent: a way out of a pipeline stage for numbers its forward computed. values:
     slot's shape."""
-    axes = _axes(slot)
+    axes = varying_axes(slot)
     return _report(y, slot, varying(jax.lax.stop_gradient(values).astype(slot.dtype), axes), axes)
 
 

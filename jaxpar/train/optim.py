@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxpar import errors
+from jaxpar.collectives import varying_axes
 from jaxpar.errors import ConfigError
 
 
@@ -86,15 +87,11 @@ def global_norm(grads):
     total = 0.0
     for g in jax.tree.leaves(grads):
         s = jnp.sum(jnp.square(g))
-        axes = _varying(s)
+        axes = _shards(s)
         total = total + (jax.lax.psum(s, axes) if axes else s)
     return jnp.sqrt(total)
 
 
-def _varying(x) -> tuple[str, ...]:
+def _shards(x) -> tuple[str, ...]:
     """The axes of more than one device x varies over (none outside shard_map)."""
-    try:
-        axes = jax.typeof(x).manual_axis_type.varying
-    except AttributeError:
-        return ()
-    return tuple(a for a in sorted(axes) if jax.lax.axis_size(a) > 1)
+    return tuple(a for a in varying_axes(x) if jax.lax.axis_size(a) > 1)

@@ -66,20 +66,17 @@ def ring_pairs(n: int, shift: int = 1) -> list[tuple[int, int]]:
     return [(i, (i + shift) % n) for i in range(n)]
 
 
-PERMUTES = ("ppermute", "all_to_all")
-
-
-def ring_shift(x, axis: str, n: int, *, via: str = "ppermute"):
+def ring_shift(x, axis: str, n: int, *, hop: str = "ppermute"):
     """x sent one place round the ring of the n devices of `axis` (rank i gets rank i-1's).
 
-    via="ppermute": one collective-permute. via="all_to_all": the same move as an
+    hop="ppermute": one collective-permute. hop="all_to_all": the same move as an
     all-to-all of an [n, ...] buffer holding x in the neighbour's slot and zeros
     elsewhere ((n-1) times the bytes; equal at n = 2). The second is for code that runs
     inside a pipeline stage, where one pp rank at a time takes the branch: XLA:CPU meets
     a collective-permute with every device of the program (a permute the other pp ranks
     skip never completes), an all-to-all with its replica group only.
     """
-    if via == "ppermute":
+    if hop == "ppermute":
         return jax.lax.ppermute(x, axis, ring_pairs(n))
     me = jax.lax.axis_index(axis)
     buf = jax.lax.dynamic_update_index_in_dim(jnp.zeros((n, *x.shape), x.dtype), x, (me + 1) % n, 0)

@@ -91,6 +91,7 @@ def kv_heads_sent(n_heads: int, n_kv_heads: int, u: int, *, axis: str = "ucp") -
     return n_kv_heads if n_kv_heads % u == 0 else u
 
 
+# how K/V move one place round the ring (collectives.ring_shift's `hop`; ring.check_options)
 HOPS = ("ppermute", "all_to_all")
 
 

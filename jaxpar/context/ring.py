@@ -4,6 +4,10 @@ into the queries' running result by log-sum-exp, causal blocks above the diagona
     ring_attention_shard(q, k, v, *, axis, causal, layout)   per-shard, inside shard_map
     ring_attention(q, k, v, *, mesh, causal, layout)         global [B, T, N, H] arrays
 
+Each entry point checks its inputs once (ConfigError): the global one what needs the
+whole arrays and the mesh, the per-shard one what it alone sees; both then run
+`attend_ring`, the unchecked per-shard attention.
+
 Forward, on rank i of the `axis` ring: step 0 attends to its own K/V; before computing a
 step it sends the K/V it holds to rank i+1 (`ppermute`), so the transfer of the next
 block overlaps the current block's compute, and at step r it holds the K/V of rank
@@ -32,10 +36,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import errors
 from jaxpar import mesh as mesh_lib
-from jaxpar.collectives import PERMUTES, ring_shift
+from jaxpar.collectives import ring_shift
 from jaxpar.context import zigzag
 from jaxpar.context.blockwise import (acc_dtype, attend_backward_chunked, attend_chunked, attend_diagonal,
                                       attend_diagonal_backward, check_qkv, group, heads_major, merge, ungroup)
+from jaxpar.context.formulas import HOPS
 from jaxpar.context.zigzag import DIAGONAL, EARLY_KV, FULL, LATE_Q, SKIP
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import CP, DP, TP
@@ -48,46 +53,47 @@ def _size(axis) -> int:
     return 1 if axis is None else jax.lax.axis_size(axis)
 
 
-def _block(kind: int, q, kv, scale, chunk):
-    """(o, lse) of one block kind over the queries q it covers (all or the late half)."""
+def _attend_block(block: int, q, kv, scale, chunk):
+    """(o, lse) of one block (its kind: zigzag.KINDS) over the queries q it covers (all or
+    the late half)."""
     k, v = kv[0], kv[1]
     t = q.shape[3]
     run = functools.partial(attend_chunked, scale=scale, chunk=chunk)
-    if kind == FULL:
+    if block == FULL:
         return run(q, k, v)
-    if kind == DIAGONAL:
+    if block == DIAGONAL:
         return attend_diagonal(q, k, v, scale=scale, chunk=chunk)
     c = t // 2
-    if kind == EARLY_KV:
+    if block == EARLY_KV:
         return run(q, k[:, :, :c], v[:, :, :c])
     return run(q[:, :, :, c:], k, v)          # LATE_Q
 
 
-def _forward_step(kind: int, q, scale, chunk, o, lse, kv):
-    """The running (o, lse) after merging one block of `kind`."""
-    if kind == SKIP:
+def _forward_step(block: int, q, scale, chunk, o, lse, kv):
+    """The running (o, lse) after merging one `block` (its kind: zigzag.KINDS)."""
+    if block == SKIP:
         return o, lse
-    bo, blse = _block(kind, q, kv, scale, chunk)
-    if kind == LATE_Q:
+    bo, blse = _attend_block(block, q, kv, scale, chunk)
+    if block == LATE_Q:
         c = q.shape[3] // 2
         lo, llse = merge(o[:, :, :, c:], lse[..., c:], bo, blse)
         return o.at[:, :, :, c:].set(lo), lse.at[..., c:].set(llse)
     return merge(o, lse, bo, blse)
 
 
-def _backward_step(kind: int, q, do, lse, delta, scale, chunk, dq, dkv, kv):
-    """(dq, dkv) after adding one block's gradients (dkv stacked [dk, dv])."""
-    if kind == SKIP:
+def _backward_step(block: int, q, do, lse, delta, scale, chunk, dq, dkv, kv):
+    """(dq, dkv) after adding one `block`'s gradients (dkv stacked [dk, dv])."""
+    if block == SKIP:
         return dq, dkv
     k, v = kv[0], kv[1]
     t = q.shape[3]
     run = functools.partial(attend_backward_chunked, scale=scale, chunk=chunk)
-    if kind in (FULL, DIAGONAL):
-        block = run if kind == FULL else functools.partial(attend_diagonal_backward, scale=scale, chunk=chunk)
-        bq, bk, bv = block(q, k, v, do, lse, delta)
+    if block in (FULL, DIAGONAL):
+        attend = run if block == FULL else functools.partial(attend_diagonal_backward, scale=scale, chunk=chunk)
+        bq, bk, bv = attend(q, k, v, do, lse, delta)
         return dq + bq, dkv + jnp.stack([bk, bv])
     c = t // 2
-    if kind == EARLY_KV:
+    if block == EARLY_KV:
         bq, bk, bv = run(q, k[:, :, :c], v[:, :, :c], do, lse, delta)
         return dq + bq, dkv.at[:, :, :, :c].add(jnp.stack([bk, bv]))
     late = lambda x: x[..., c:, :]
@@ -96,12 +102,12 @@ def _backward_step(kind: int, q, do, lse, delta, scale, chunk, dq, dkv, kv):
 
 
 def _dispatch(table: np.ndarray, axis, step_fn):
-    """step(r, state, kv) -> step_fn(kind of (r, this rank), state, kv): static when the
-    plan runs one kind on every later step, else a lax.switch over the kinds it uses."""
+    """step(r, state, kv) -> step_fn(block of (r, this rank), state, kv): static when the
+    plan runs one block kind on every later step, else a lax.switch over the kinds it uses."""
     kinds = sorted(set(int(k) for k in table[1:].flat))
     position = np.zeros(len(zigzag.KINDS), np.int32)
     position[kinds] = np.arange(len(kinds), dtype=np.int32)
-    branches = [functools.partial(step_fn, kind) for kind in kinds]
+    branches = [functools.partial(step_fn, block) for block in kinds]
 
     def step(r, state, kv):
         if len(kinds) == 1:
@@ -111,13 +117,13 @@ def _dispatch(table: np.ndarray, axis, step_fn):
     return step
 
 
-def _ring(cp: int, axis, kv, first, step, after=lambda state: state, permute: str = "ppermute"):
+def _ring(cp: int, axis, kv, first, step, after=lambda state: state, hop: str = "ppermute"):
     """The ring loop. state = first(kv) on the own block, then step(r, state, kv_r) for
     r = 1..cp-1 with kv_r the K/V of rank i - r; the held K/V is sent on to rank i+1
     before each step's compute (cp - 1 sends), and `after(state)` runs after every step
-    (the backward's dK/dV hop). Steps 1..cp-2 are one lax.scan: the program does not
-    grow with cp."""
-    send = lambda x: ring_shift(x, axis, cp, via=permute)
+    (the backward's dK/dV hop), each send a `hop` (collectives.ring_shift). Steps
+    1..cp-2 are one lax.scan: the program does not grow with cp."""
+    send = lambda x: ring_shift(x, axis, cp, hop=hop)
     nxt = send(kv) if cp > 1 else None
     state = after(first(kv))
     if cp > 2:
@@ -131,46 +137,46 @@ def _ring(cp: int, axis, kv, first, step, after=lambda state: state, permute: st
     return state
 
 
-def _forward(q, kv, axis, causal, layout, chunk, permute):
+def _forward(q, kv, axis, causal, layout, chunk, hop):
     """(o, lse) of grouped q [B, K, G, Tq, H] over the ring's stacked K/V [2, B, K, Tk, H]; o in q's dtype."""
     cp = _size(axis)
     scale = 1.0 / math.sqrt(q.shape[-1])
     table = zigzag.plan(cp, layout, causal)
-    step = _dispatch(table, axis, lambda kind, state, kv: _forward_step(kind, q, scale, chunk, *state, kv))
-    o, lse = _ring(cp, axis, kv, lambda kv: _block(int(table[0, 0]), q, kv, scale, chunk), step, permute=permute)
+    step = _dispatch(table, axis, lambda block, state, kv: _forward_step(block, q, scale, chunk, *state, kv))
+    o, lse = _ring(cp, axis, kv, lambda kv: _attend_block(int(table[0, 0]), q, kv, scale, chunk), step, hop=hop)
     return o.astype(q.dtype), lse
 
 
-def _backward(q, kv, o, lse, do, axis, causal, layout, chunk, permute):
+def _backward(q, kv, o, lse, do, axis, causal, layout, chunk, hop):
     cp = _size(axis)
     scale = 1.0 / math.sqrt(q.shape[-1])
     table = zigzag.plan(cp, layout, causal)
     dt = acc_dtype(q.dtype)
     delta = jnp.sum(do.astype(dt) * o.astype(dt), axis=-1)
-    step = _dispatch(table, axis, lambda kind, state, kv: _backward_step(kind, q, do, lse, delta, scale, chunk, *state, kv))
+    step = _dispatch(table, axis, lambda block, state, kv: _backward_step(block, q, do, lse, delta, scale, chunk, *state, kv))
 
     def first(kv):
         zeros = (jnp.zeros(q.shape, dt), jnp.zeros(kv.shape, dt))
         return _backward_step(int(table[0, 0]), q, do, lse, delta, scale, chunk, *zeros, kv)
 
-    send = lambda x: ring_shift(x, axis, cp, via=permute)
+    send = lambda x: ring_shift(x, axis, cp, hop=hop)
     after = (lambda state: (state[0], send(state[1]))) if cp > 1 else (lambda state: state)
-    dq, dkv = _ring(cp, axis, kv, first, step, after, permute=permute)
+    dq, dkv = _ring(cp, axis, kv, first, step, after, hop=hop)
     return dq.astype(q.dtype), dkv.astype(kv.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _ring_attention(q, kv, axis, causal, layout, chunk, permute):
-    return _forward(q, kv, axis, causal, layout, chunk, permute)[0]
+def _ring_attention(q, kv, axis, causal, layout, chunk, hop):
+    return _forward(q, kv, axis, causal, layout, chunk, hop)[0]
 
 
-def _ring_fwd(q, kv, axis, causal, layout, chunk, permute):
-    o, lse = _forward(q, kv, axis, causal, layout, chunk, permute)
+def _ring_fwd(q, kv, axis, causal, layout, chunk, hop):
+    o, lse = _forward(q, kv, axis, causal, layout, chunk, hop)
     return o, (q, kv, o, lse)
 
 
-def _ring_bwd(axis, causal, layout, chunk, permute, res, do):
-    return _backward(*res, do, axis, causal, layout, chunk, permute)
+def _ring_bwd(axis, causal, layout, chunk, hop, res, do):
+    return _backward(*res, do, axis, causal, layout, chunk, hop)
 
 
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)
@@ -202,9 +208,31 @@ def relayout_shard(x, *, axis, layout: str, inverse: bool = False, seq_dim: int 
     return jnp.concatenate([lo, hi], axis=seq_dim)
 
 
+def check_options(*, causal, layout, chunk, relayout=False, custom_backward=True, hop="ppermute") -> int:
+    """Refuse (ConfigError) ring attention options that are not: causal, relayout and
+    custom_backward booleans, layout one of zigzag.LAYOUTS, chunk a whole number up to
+    MAX_CHUNK, hop one of formulas.HOPS. Returns chunk as an int. Each entry point
+    (ring_attention, ring_attention_shard, ulysses' hybrid ones) calls it once."""
+    errors.flag("causal", causal)
+    errors.flag("relayout", relayout)
+    errors.flag("custom_backward", custom_backward)
+    zigzag.check_layout(layout)
+    errors.one_of("hop", hop, HOPS)
+    return errors.whole("chunk", chunk, maximum=MAX_CHUNK)
+
+
+def check_shard_tokens(tokens: int, layout: str) -> None:
+    """Refuse a rank's `tokens` the layout cannot cut: zigzag holds two chunks per rank.
+    What only the per-shard entry points must check: the global ones check the whole
+    sequence (zigzag.check_sequence), which implies it."""
+    if layout == "zigzag" and tokens % 2:
+        raise ConfigError(f"each rank holds {tokens} tokens: the zigzag layout needs an even number (two chunks per "
+                          "rank). Fix: a sequence length that is a multiple of 2*cp")
+
+
 def ring_attention_shard(q, k, v, *, axis=CP, causal: bool = True, layout: str = "contiguous",
                          relayout: bool = False, chunk: int = CHUNK, custom_backward: bool = True,
-                         permute: str = "ppermute"):
+                         hop: str = "ppermute"):
     """Attention of this shard's queries over the whole ring's keys, inside shard_map.
 
     q [B, Tc, N, H], k and v [B, Tc, K, H], Tc = T/cp: this rank's tokens, in `layout`
@@ -214,29 +242,33 @@ def ring_attention_shard(q, k, v, *, axis=CP, causal: bool = True, layout: str =
     [B, Tc, N, H]. Each block's keys are taken `chunk` at a time (blockwise.chunk_size),
     so scores are Tc x chunk at a time, never Tc x Tc. custom_backward=False
     differentiates the forward loop by autodiff (it keeps every block's scores: the
-    reference for the memory-efficient backward). permute: how K/V hop round the ring,
+    reference for the memory-efficient backward). hop: how K/V move round the ring,
     "ppermute", or "all_to_all" inside a pipeline stage (collectives.ring_shift says why).
+    Checked here (ConfigError); `attend_ring` is the same without the checks.
     """
-    errors.flag("causal", causal)
-    errors.flag("relayout", relayout)
-    errors.flag("custom_backward", custom_backward)
-    errors.whole("chunk", chunk, maximum=MAX_CHUNK)
-    errors.one_of("permute", permute, PERMUTES)
-    zigzag.check_layout(layout)
-    B, T, N, K, H = check_qkv(q, k, v, needed_by="ring_attention_shard")
-    if layout == "zigzag" and T % 2:
-        raise ConfigError(f"each rank holds {T} tokens: the zigzag layout needs an even number (two chunks per "
-                          "rank). Fix: a sequence length that is a multiple of 2*cp")
+    chunk = check_options(causal=causal, layout=layout, chunk=chunk, relayout=relayout,
+                          custom_backward=custom_backward, hop=hop)
+    _, tokens, _, _, _ = check_qkv(q, k, v, needed_by="ring_attention_shard")
+    check_shard_tokens(tokens, layout)
+    return attend_ring(q, k, v, axis=axis, causal=causal, layout=layout, relayout=relayout, chunk=chunk,
+                       custom_backward=custom_backward, hop=hop)
+
+
+def attend_ring(q, k, v, *, axis, causal: bool, layout: str, relayout: bool, chunk: int, custom_backward: bool,
+                hop: str):
+    """ring_attention_shard on inputs its entry points have checked (check_options,
+    blockwise.check_qkv, check_shard_tokens or zigzag.check_sequence), per shard:
+    q [B, Tc, N, H], k and v [B, Tc, K, H] -> [B, Tc, N, H]."""
     move = functools.partial(relayout_shard, axis=axis, layout=layout if relayout else "contiguous")
     kv = jnp.stack([heads_major(k), heads_major(v)])            # [2, B, K, Tc, H]: one buffer travels
-    o = _ring_kv(move(group(q, K)), move(kv), axis, causal, layout, chunk, custom_backward, permute)
+    o = _ring_kv(move(group(q, k.shape[2])), move(kv), axis, causal, layout, chunk, custom_backward, hop)
     return ungroup(move(o, inverse=True))
 
 
-def _ring_kv(q, kv, axis, causal, layout, chunk, custom_backward, permute="ppermute"):
+def _ring_kv(q, kv, axis, causal, layout, chunk, custom_backward, hop):
     if custom_backward:
-        return _ring_attention(q, kv, axis, causal, layout, chunk, permute)
-    return _forward(q, kv, axis, causal, layout, chunk, permute)[0]
+        return _ring_attention(q, kv, axis, causal, layout, chunk, hop)
+    return _forward(q, kv, axis, causal, layout, chunk, hop)[0]
 
 
 def specs(mesh, *, seq_axes: tuple[str, ...], n_heads: int, n_kv_heads: int, batch_size: int,
@@ -267,11 +299,10 @@ def ring_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "contigu
     loader would deliver it) and returns it so, with no communication beyond the ring's.
     """
     errors.flag("permute", permute)
-    zigzag.check_layout(layout)
+    chunk = check_options(causal=causal, layout=layout, chunk=chunk, custom_backward=custom_backward)
     B, T, N, K, H = check_qkv(q, k, v, needed_by="ring_attention")
     spec = specs(mesh, seq_axes=(axis,), n_heads=N, n_kv_heads=K, batch_size=B, needed_by="ring_attention")
     zigzag.check_sequence(T, mesh_lib.axis_size(mesh, axis), layout)
-    shard = functools.partial(ring_attention_shard, axis=axis, causal=errors.flag("causal", causal), layout=layout,
-                              relayout=permute, chunk=errors.whole("chunk", chunk, maximum=MAX_CHUNK),
-                              custom_backward=errors.flag("custom_backward", custom_backward))
+    shard = functools.partial(attend_ring, axis=axis, causal=causal, layout=layout, relayout=permute, chunk=chunk,
+                              custom_backward=custom_backward, hop="ppermute")
     return jax.shard_map(shard, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)

@@ -5,6 +5,9 @@
     hybrid_attention_shard(q, k, v, *, ulysses_axis, ring_axis, causal, layout)
     hybrid_attention(q, k, v, *, mesh, causal, layout)    over ucp (Ulysses) x cp (ring)
 
+As in ring.py, each entry point checks its inputs once and runs the unchecked
+`attend_hybrid`.
+
 Ulysses turns "split by sequence" into "split by heads" with one all-to-all for each of
 q, k and v: each of the u devices then holds the whole sequence for N/u query heads,
 attends exactly as one device would, and a fourth all-to-all turns the output back.
@@ -34,7 +37,7 @@ from jaxpar import mesh as mesh_lib
 from jaxpar.context import zigzag
 from jaxpar.context.blockwise import check_qkv
 from jaxpar.context.formulas import kv_heads_sent
-from jaxpar.context.ring import CHUNK, MAX_CHUNK, ring_attention_shard, specs
+from jaxpar.context.ring import CHUNK, attend_ring, check_options, check_shard_tokens, specs
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import CP, UCP
 
@@ -61,12 +64,23 @@ def hybrid_attention_shard(q, k, v, *, ulysses_axis=UCP, ring_axis=CP, causal: b
     Ulysses alone (ring_axis=None) under `layout` "zigzag": the u devices hold the
     sequence in zigzag order (zigzag.to_layout over u), so the gathered sequence is in
     that order too; it is put back in natural order, a local gather, before the causal
-    mask and in layout order again after.
+    mask and in layout order again after. Checked here (ConfigError); `attend_hybrid` is
+    the same without the checks.
     """
-    errors.flag("causal", causal)
-    errors.flag("relayout", relayout)
-    zigzag.check_layout(layout)
-    B, Tc, N, K, H = check_qkv(q, k, v, needed_by="hybrid_attention_shard")
+    chunk = check_options(causal=causal, layout=layout, chunk=chunk, relayout=relayout)
+    _, tokens, _, _, _ = check_qkv(q, k, v, needed_by="hybrid_attention_shard")
+    u = 1 if ulysses_axis is None else jax.lax.axis_size(ulysses_axis)
+    if ring_axis is not None:
+        check_shard_tokens(tokens * u, layout)       # the ring's tokens: this device's from each of the u
+    return attend_hybrid(q, k, v, ulysses_axis=ulysses_axis, ring_axis=ring_axis, causal=causal, layout=layout,
+                         relayout=relayout, chunk=chunk)
+
+
+def attend_hybrid(q, k, v, *, ulysses_axis, ring_axis, causal: bool, layout: str, relayout: bool, chunk: int):
+    """hybrid_attention_shard on inputs its entry points have checked (ring.check_options,
+    blockwise.check_qkv, the sequence's cut), per shard: q [B, Tc, N, H], k and v
+    [B, Tc, K, H] -> [B, Tc, N, H]."""
+    N, K = q.shape[2], k.shape[2]
     u = 1 if ulysses_axis is None else jax.lax.axis_size(ulysses_axis)
     if u > 1:
         sent = kv_heads_sent(N, K, u, axis=ulysses_axis)
@@ -76,8 +90,8 @@ def hybrid_attention_shard(q, k, v, *, ulysses_axis=UCP, ring_axis=CP, causal: b
     natural = ring_axis is None and u > 1 and causal and layout != "contiguous" and not relayout
     if natural:      # [B, T, h/u, H] in layout order -> natural order, where the causal mask holds
         q, k, v = (zigzag.from_layout(a, u, layout, axis=1) for a in (q, k, v))
-    o = ring_attention_shard(q, k, v, axis=ring_axis, causal=causal, layout="contiguous" if ring_axis is None
-                             else layout, relayout=relayout, chunk=chunk)
+    o = attend_ring(q, k, v, axis=ring_axis, causal=causal, layout="contiguous" if ring_axis is None else layout,
+                    relayout=relayout, chunk=chunk, custom_backward=True, hop="ppermute")
     if natural:
         o = zigzag.to_layout(o, u, layout, axis=1)
     return _to_sequence(o, ulysses_axis) if u > 1 else o
@@ -97,9 +111,8 @@ def hybrid_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "conti
     where the mesh has them. permute as in ring_attention (natural order in and out);
     permute=False takes and returns the sequence in `layout` order over the ring's cp,
     or over the Ulysses devices when ring_axis is None (zigzag.to_layout)."""
-    errors.flag("causal", causal)
     errors.flag("permute", permute)
-    zigzag.check_layout(layout)
+    chunk = check_options(causal=causal, layout=layout, chunk=chunk)
     B, T, N, K, H = check_qkv(q, k, v, needed_by="hybrid_attention")
     axes = tuple(a for a in (ring_axis, ulysses_axis) if a is not None)
     if not axes:
@@ -112,9 +125,8 @@ def hybrid_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "conti
         kv_heads_sent(N // tp, K // tp, u, axis=ulysses_axis)
     mesh_lib.require_divisible("seq_len", T, mesh, axes, why="each device holds seq_len/(cp*u) tokens")
     zigzag.check_sequence(T, cp if ring_axis else u, layout)
-    shard = functools.partial(hybrid_attention_shard, ulysses_axis=ulysses_axis if u > 1 else None,
-                              ring_axis=ring_axis, causal=causal, layout=layout, relayout=permute,
-                              chunk=errors.whole("chunk", chunk, maximum=MAX_CHUNK))
+    shard = functools.partial(attend_hybrid, ulysses_axis=ulysses_axis if u > 1 else None, ring_axis=ring_axis,
+                              causal=causal, layout=layout, relayout=permute, chunk=chunk)
     return jax.shard_map(shard, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
 
 

@@ -152,9 +152,8 @@ def _attend(cfg: reference.ModelConfig, spec: ParallelSpec):
         return lambda q, k, v: reference.attention(q, k, v, causal=cfg.causal)
     if spec.attention == "ulysses":
         return lambda q, k, v: ulysses_attention_shard(q, k, v, axis=CP, causal=cfg.causal, layout=spec.layout)
-    permute = "all_to_all" if spec.pp > 1 else "ppermute"     # inside a stage: collectives.ring_shift
-    return lambda q, k, v: ring_attention_shard(q, k, v, axis=CP, causal=cfg.causal, layout=spec.layout,
-                                                permute=permute)
+    hop = "all_to_all" if spec.pp > 1 else "ppermute"     # inside a stage: collectives.ring_shift
+    return lambda q, k, v: ring_attention_shard(q, k, v, axis=CP, causal=cfg.causal, layout=spec.layout, hop=hop)
 
 
 def _moe(p, z, *, cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int, batch_size: int | None):

@@ -201,10 +201,10 @@ def test_ring_shift_by_all_to_all_moves_exactly_what_ppermute_moves(cp):
     m = mesh_lib.make_mesh(dp=8 // cp, cp=cp)
     x = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3)         # rank-coded rows
     outs = {}
-    for via in ("ppermute", "all_to_all"):
-        f = jax.shard_map(lambda a, via=via: ring_shift(a, "cp", cp, via=via), mesh=m, in_specs=P(("dp", "cp")),
+    for hop in ("ppermute", "all_to_all"):
+        f = jax.shard_map(lambda a, hop=hop: ring_shift(a, "cp", cp, hop=hop), mesh=m, in_specs=P(("dp", "cp")),
                           out_specs=P(("dp", "cp")))
-        outs[via] = np.asarray(jax.jit(f)(x))
+        outs[hop] = np.asarray(jax.jit(f)(x))
     expected = np.asarray(x).reshape(8 // cp, cp, 3)[:, (np.arange(cp) - 1) % cp].reshape(8, 3)
     np.testing.assert_array_equal(outs["ppermute"], expected)
     np.testing.assert_array_equal(outs["all_to_all"], expected)

@@ -41,11 +41,12 @@ from jaxpar import errors
 from jaxpar import mesh as mesh_lib
 from jaxpar import reference
 from jaxpar.expert.formulas import capacity
-from jaxpar.expert.router import KINDS, check_router, check_top_k, expert_load, route
+from jaxpar.expert.router import check_route, check_top_k, expert_load, select_experts
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import DP, EP
 
 DROPS = ("position", "probability")
+MLPS = ("gelu", "swiglu")
 EXPERT_WEIGHTS = ("w_up", "w_gate", "w_down")
 
 
@@ -82,25 +83,48 @@ def ep_moe_shard(p: dict, x, *, axis=EP, top_k: int, capacity_factor=None, drop:
     "w_gate" for SwiGLU): this device's experts, expert e on device e // (E/ep).
     Returns (y [t, D], kept [E], dropped [E]): assignments of this device's tokens each
     expert took and dropped. axis=None is one device, nothing sent. routing: the
-    `router.route` of x, when the caller took it (to read its balance statistics);
-    default: routed here."""
+    `router.route` of x, when the caller took it (to read its balance statistics; route
+    checked the router then); default: routed here. Checked here (ConfigError);
+    `dispatch_and_combine` is the same without the checks."""
     errors.one_of("drop", drop, DROPS)
-    errors.one_of("kind", kind, ("gelu", "swiglu"))
+    errors.one_of("kind", kind, MLPS)
     t, D = errors.array("x", x, ndim=2, kinds="f", shape_doc="x[tokens, d_model]")
-    E = check_router(p["router"], D)
-    check_top_k(top_k, E)
+    if routing is None:
+        E = check_route(p["router"], D, top_k=top_k, kind=router_kind, bias=bias)
+    else:
+        E = routing.probs.shape[-1]
+        check_top_k(top_k, E)
     ep = 1 if axis is None else jax.lax.axis_size(axis)
     if E % ep:
         raise ConfigError(f"n_experts={E} is not divisible by ep={ep}: each device owns E/ep whole experts. "
                           f"Fix: ep in ({errors.divisors(E)}) or n_experts a multiple of {ep}")
-    local = E // ep
+    check_expert_weights(p, kind=kind, leading=E // ep,
+                         why=f"each of the ep={ep} devices holds E/ep={E // ep} experts")
+    return dispatch_and_combine(p, x, axis=axis, top_k=top_k, capacity_factor=capacity_factor, drop=drop, kind=kind,
+                                router_kind=router_kind, renormalize=renormalize, bias=bias, routing=routing)
+
+
+def check_expert_weights(p: dict, *, kind: str, leading: int, why: str) -> None:
+    """Refuse expert weights (w_up, w_down, and w_gate for SwiGLU) that are missing or
+    whose leading (expert) axis is not `leading` (`why` says why it must be)."""
     for name in ("w_up", "w_down") + (("w_gate",) if kind == "swiglu" else ()):
-        if name not in p or p[name].shape[0] != local:
+        if name not in p or p[name].shape[0] != leading:
             got = "missing" if name not in p else f"shape {tuple(p[name].shape)}"
-            raise ConfigError(f"expert weight {name} is {got}: each of the ep={ep} devices holds "
-                              f"E/ep={local} experts, so it needs leading size {local}")
-    r = route(p["router"], x, top_k=top_k, kind=router_kind, renormalize=renormalize, bias=bias) \
+            raise ConfigError(f"expert weight {name} is {got}: {why}, so it needs leading size {leading}")
+
+
+def dispatch_and_combine(p: dict, x, *, axis, top_k: int, capacity_factor, drop: str, kind: str, router_kind: str,
+                         renormalize: bool, bias, routing):
+    """ep_moe_shard on inputs its entry points (ep_moe, ep_moe_shard) have checked: route
+    (unless `routing` is given), pack each expert's tokens, all-to-all them to the
+    expert's device, run the experts, all-to-all back and combine. x [t, D] ->
+    (y [t, D], kept [E], dropped [E])."""
+    t, D = x.shape
+    r = select_experts(p["router"], x, top_k=top_k, kind=router_kind, renormalize=renormalize, bias=bias) \
         if routing is None else routing
+    E = r.probs.shape[-1]
+    ep = 1 if axis is None else jax.lax.axis_size(axis)
+    local = E // ep
     C = capacity(t, top_k, E, capacity_factor)
     buf, slot, keep = pack(x, r.experts, r.weights, n_experts=E, capacity=C, drop=drop)
     out = exchange(_experts(p, exchange(buf.reshape(ep, local, C, D), axis), kind), axis)
@@ -219,9 +243,10 @@ def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "pos
         if name not in params:
             raise ConfigError(f"params has no {name!r}: give the MoE layer's params (router [D, E], w_up [E, D, F],"
                               " w_down [E, F, D], and w_gate for SwiGLU), e.g. reference.layer_params(params, 0)")
-    check_router(params["router"], D, cfg.n_experts)
-    check_top_k(cfg.top_k, cfg.n_experts)
-    errors.one_of("router_kind", router_kind, KINDS)
+    check_route(params["router"], D, top_k=cfg.top_k, kind=router_kind, bias=bias, n_experts=cfg.n_experts,
+                kind_name="router_kind")
+    check_expert_weights(params, kind=cfg.mlp, leading=cfg.n_experts,
+                         why=f"cfg.n_experts={cfg.n_experts}: one slice per expert")
     if bias is not None and errors.array("bias", bias, ndim=1, kinds="f", shape_doc="bias[n_experts]") != (
             cfg.n_experts,):
         raise ConfigError(f"bias has shape {tuple(bias.shape)}: DeepSeek-V3's selection bias has one entry per "
@@ -234,9 +259,9 @@ def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "pos
     C = capacity(tokens, cfg.top_k, cfg.n_experts, capacity_factor)   # refuses a capacity_factor <= 0
     p = {name: params[name] for name in names}
     p_specs, x_spec = specs(mesh, p)
-    shard = functools.partial(ep_moe_shard, axis=EP if ep > 1 else None, top_k=cfg.top_k,
+    shard = functools.partial(dispatch_and_combine, axis=EP if ep > 1 else None, top_k=cfg.top_k,
                               capacity_factor=capacity_factor, drop=drop, kind=cfg.mlp, router_kind=router_kind,
-                              renormalize=cfg.moe_renormalize)
+                              renormalize=cfg.moe_renormalize, routing=None)
 
     def run(p, x, bias):
         b = x.shape[0]

@@ -64,16 +64,31 @@ def check_top_k(top_k, n_experts: int) -> int:
     return top_k
 
 
-def route(router, x, *, top_k: int, kind: str = "softmax", renormalize: bool = True, bias=None) -> Routing:
-    """Route tokens x [t, D] with router [D, E]. `bias` [E] (sigmoid only) shifts the
-    choice, not the weights."""
-    errors.one_of("kind", kind, KINDS)
-    E = check_router(router, x.shape[-1])
+def check_route(router, d_model: int, *, top_k, kind, bias=None, n_experts: int | None = None,
+                kind_name: str = "kind") -> int:
+    """Refuse (ConfigError) what `route` refuses: a kind not in KINDS (named `kind_name`
+    in the message), a router that is not [d_model, E] (E = n_experts when given), top_k
+    outside 1..E, a bias with softmax gates. Returns E."""
+    errors.one_of(kind_name, kind, KINDS)
+    E = check_router(router, d_model, n_experts)
     check_top_k(top_k, E)
+    if kind == "softmax" and bias is not None:
+        raise ConfigError("bias= is DeepSeek-V3's selection bias: it goes with kind='sigmoid'")
+    return E
+
+
+def route(router, x, *, top_k: int, kind: str = "softmax", renormalize: bool = True, bias=None) -> Routing:
+    """Route tokens x [t, D] with router [D, E], checked first (check_route). `bias` [E]
+    (sigmoid only) shifts the choice, not the weights."""
+    check_route(router, x.shape[-1], top_k=top_k, kind=kind, bias=bias)
+    return select_experts(router, x, top_k=top_k, kind=kind, renormalize=renormalize, bias=bias)
+
+
+def select_experts(router, x, *, top_k: int, kind: str, renormalize: bool, bias) -> Routing:
+    """`route` on inputs check_route has passed: each token of x [t, D] scored by router
+    [D, E], its top_k experts chosen and gated."""
     logits = jnp.einsum("td,de->te", x, router.astype(x.dtype))
     if kind == "softmax":
-        if bias is not None:
-            raise ConfigError("bias= is DeepSeek-V3's selection bias: it goes with kind='sigmoid'")
         probs = jax.nn.softmax(logits, axis=-1)
         weights, experts = jax.lax.top_k(probs, top_k)
         if renormalize:

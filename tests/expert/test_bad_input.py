@@ -30,6 +30,8 @@ def _call(params=None, x=None, cfg=None, mesh=None, **kw):
     (dict(params=_params() | {"router": jnp.zeros((16, 4))}), r"router has shape \(16, 4\); expected \[16, 8\]"),
     (dict(params=_params() | {"router": jnp.zeros((16, 8, 1))}), r"router has shape \(16, 8, 1\) \(rank 3\)"),
     (dict(params={"w_up": jnp.zeros((8, 16, 32)), "w_down": jnp.zeros((8, 32, 16))}), "params has no 'router'"),
+    (dict(params=_params() | {"w_up": jnp.zeros((4, 16, 32))}),
+     r"expert weight w_up is shape \(4, 16, 32\): cfg.n_experts=8.*leading size 8"),
     (dict(x=jnp.zeros((6, 4, 16))), "batch_size=6 is not divisible by dp=2 x ep=4 = 8"),
     (dict(x=jnp.zeros((8, 4, 12))), "x has d_model 12, cfg.d_model=16"),
     (dict(x=jnp.zeros((0, 4, 16))), "empty axis"),

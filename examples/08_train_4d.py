@@ -1,22 +1,23 @@
-"""One model trained on a dp x pp x tp x cp x ep mesh (lecture section 7).
+"""One model trained on a dp x pp x tp mesh, batch for batch against one device (lecture section 7).
 
     python examples/08_train_4d.py
 
-On 8 fake CPU devices:
+On 8 fake CPU devices. Opens with the technique: a ParallelSpec (dp2 x pp2 x tp2, 1F1B
+over 2 microbatches), the Trainer that compiles ONE step for it (one shard_map over
+every axis: the pipeline, Megatron TP inside each stage, the gradient reduction over dp,
+global-norm clipping, AdamW), 10 steps of it against `reference_trainer` (the same model
+and AdamW on one device) fed the same batches: every loss and gradient norm, and every
+parameter after the last step; and the step's collectives against the formulas. Then:
   demo 1  a ParallelSpec that does not fit the model: one ConfigError listing every
           violated constraint, before anything compiles;
   demo 2  the model as flax NNX parameters with partition metadata (flax's own
-          get_partition_spec reads them);
-  demo 3  20 steps on pp2 x cp2 x ep2 (an MoE balanced by its loss and DeepSeek-V3's
-          bias, Ulysses attention on zigzag-ordered tokens inside the pipeline stages)
-          against the unsharded model, batch for batch: losses, gradient norms and final
-          parameters, and the step's collectives against the formulas (eight meshes:
-          tests/train/test_train.py; drawn configurations: tests/train/test_drawn.py);
-  demo 4  20 steps on dp2 x pp2 x tp2 (1F1B) and the run's summary: tokens/s, memory per
-          device from the compiled step, the collectives of one step against the formulas;
-  demo 5  a checkpoint saved on dp2 x pp2 x tp2, restored on pp4 x tp2, training on
-          with the same losses.
-The same: `jaxpar train --mesh dp=2,pp=2,tp=2 --steps 200`, `jaxpar verify train`.
+          get_partition_spec reads them), an MoE's experts split over ep;
+  demo 3  the lesson's state checkpointed at step 10, steps 10-19 with `fit` and the run's
+          summary: tokens/s, memory per device from the compiled step, the collectives of
+          one step against the formulas; the checkpoint restored on pp4 x tp2, bit for bit.
+The same on eight meshes (context parallelism, Ulysses, MoE over ep, ZeRO-1, interleaved
+and DualPipe-V pipelines): `jaxpar verify train`, tests/train/test_train.py; training from
+the command line: `jaxpar train --mesh dp=2,pp=2,tp=2 --steps 200`.
 """
 
 import dataclasses
@@ -26,24 +27,63 @@ from jaxpar import mesh
 
 mesh.use_cpu_devices(8)
 
-import jax  # noqa: E402  (after the device count is set)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxpar import reference  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
-from jaxpar.train import model, verify  # noqa: E402
-from jaxpar.train.checkpoint import Checkpoints  # noqa: E402
-from jaxpar.train.loop import fit  # noqa: E402
-from jaxpar.train.spec import ParallelSpec  # noqa: E402
-from jaxpar.train.step import Trainer  # noqa: E402
-from jaxpar.train.summary import format_summary, summarize  # noqa: E402
+from jaxpar.train import Checkpoints, Corpus, LanguageModel, OptimConfig, ParallelSpec, Trainer, fit  # noqa: E402
+from jaxpar.train import reference_trainer, summary  # noqa: E402
 
-SPEC, CFG, BATCH = verify.MESHES["dp2 pp2 tp2"]
+# a small Llama-style decoder: RoPE, grouped-query attention, SwiGLU
+CFG = reference.ModelConfig(n_layers=4, d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=32, mlp="swiglu",
+                            vocab=32, rope_theta=10000.0)
+OPTIM = OptimConfig(lr=1e-2, warmup=3, steps=20, clip=0.5)       # warm-up + cosine; clipping at norm 0.5
+SPEC = ParallelSpec(dp=2, pp=2, tp=2, microbatches=2)            # 1F1B over 2 stages, each TP over 2, 2 replicas
+B, T = 8, 16                                                     # batches int[B, T + 1]
+
+
+def rel(ours, ref) -> float:
+    """max |ours - ref| / max |ref|."""
+    return float(np.max(np.abs(np.asarray(ours) - ref)) / np.max(np.abs(ref)))
+
+
+def lesson(steps=10):
+    print(f"== {SPEC.describe()}: {steps} steps of the Trainer against reference_trainer on one device ==")
+    trainer = Trainer(CFG, SPEC, OPTIM, batch_size=B, seq_len=T)     # checked now; the step compiles on first use
+    state = trainer.init(jax.random.key(0))                          # reference.init_params(key), laid out on the mesh
+    tx, reference_step = reference_trainer(CFG, OPTIM)               # reference.loss, optax.global_norm, the same AdamW
+    params = reference.init_params(jax.random.key(0), CFG)
+    opt = tx.init(params)
+    corpus = Corpus(vocab=CFG.vocab)
+    ours, ref = [], []
+    for i in range(steps):
+        tokens = corpus.batch(i, batch_size=B, seq_len=T)            # the same host batch for both
+        state, metrics = trainer.step(state, tokens)
+        params, opt, loss, norm = reference_step(params, opt, jnp.asarray(tokens))
+        ours.append((float(metrics["loss"]), float(metrics["norm"])))
+        ref.append((float(loss), float(norm)))
+    for i in (0, 1, steps - 1):
+        print(f"  step {i}: loss {ours[i][0]:.6f} vs {ref[i][0]:.6f}, gradient norm {ours[i][1]:.6f} vs {ref[i][1]:.6f}")
+    saved = jax.device_get(trainer.canonical(state))                 # (params, AdamW state, step): the same on any mesh
+    final = saved[0]                                                 # params as reference.init_params lays them out
+    errors = {"losses": rel([o[0] for o in ours], [r[0] for r in ref]),
+              "grad norms": rel([o[1] for o in ours], [r[1] for r in ref]),
+              "params": max(rel(a, b) for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(params)))}
+    ok = max(errors.values()) <= 1e-5
+    print(f"  train {SPEC.describe()}, {steps} steps: max relative error "
+          + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()) + f" (tolerance 1e-5): {'ok' if ok else 'FAILED'}")
+    c = summary.collectives(trainer, trainer.compiled)               # pp rank 0's sends and its stages' collectives
+    got, want = c["sends"] + c["stages"][0], c["expected_sends"] + c["expected_stages"][0]
+    print(f"  one step's collectives on pp rank 0: {got.format()} {'=' if got == want else '!='} formula "
+          f"{want.format()} (every rank, the dp reduction: {'ok' if summary.matches(c) else 'FAILED'})")
+    return trainer, state, saved
 
 
 def demo_bad_spec():
-    print("== demo 1: a spec that does not fit ==")
+    print("\n== demo 1: a spec that does not fit ==")
     cfg = reference.ModelConfig(n_layers=6, n_heads=6, n_kv_heads=3, vocab=30)
     try:
         Trainer(cfg, ParallelSpec(pp=4, tp=4, microbatches=3), batch_size=10, seq_len=16)
@@ -52,56 +92,38 @@ def demo_bad_spec():
 
 
 def demo_nnx():
-    print("\n== demo 2: the model as NNX parameters with partition metadata ==")
-    m = model.LanguageModel(verify.MOE)
-    specs, params = nnx.get_partition_spec(nnx.state(m)), m.params()
+    print("\n== demo 2: an MoE model as NNX parameters with partition metadata ==")
+    model = LanguageModel(dataclasses.replace(CFG, n_experts=4, top_k=2))
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model)))
+    params = model.params()
     for name in ("embed", "unembed"):
-        print(f"  {name:<13} {str(params[name].shape):<16} {specs[name].value}")
+        print(f"  {name:<13} {str(params[name].shape):<16} {specs[name]}")
     for name in ("wq", "wk", "wo", "router", "w_up", "w_down"):
-        print(f"  blocks.{name:<6} {str(params['blocks'][name].shape):<16} {specs['blocks'][name].value}")
+        print(f"  blocks.{name:<6} {str(params['blocks'][name].shape):<16} {specs['blocks'][name]}")
 
 
-def demo_parity():
-    print("\n== demo 3: 20 steps against the unsharded model ==")
-    # an MoE balanced both ways (the Switch/GShard loss, DeepSeek-V3's selection bias),
-    # Ulysses attention over cp on zigzag-ordered tokens, the experts over ep, in 1F1B
-    cfg = dataclasses.replace(verify.MOE, router="sigmoid", aux_loss=0.01, bias_rate=1e-3)
-    spec = ParallelSpec(pp=2, cp=2, ep=2, microbatches=2, attention="ulysses", layout="zigzag")
-    r = verify.parity(spec, cfg, batch_size=8)
-    errs = ", ".join(f"{k} {v:.1e}" for k, v in r.errors.items())
-    print(f"  {r.name}: max relative error {errs} (tolerance 1e-5): {'ok' if r.passed else 'FAILED'}; {r.note}")
-    ok = "=" if r.collectives_match else "!="
-    print(f"  one step's collectives on pp rank 0: {r.measured['step'].format()} {ok} formula "
-          f"{r.expected['step'].format()} (every rank, the reduction and ZeRO: {'ok' if r.passed else 'FAILED'})")
-
-
-def demo_summary():
-    print("\n== demo 4: a run's summary ==")
-    trainer = Trainer(CFG, SPEC, verify.OPTIM, batch_size=BATCH, seq_len=16)
-    _, history = fit(trainer, steps=20, progress=False)
-    print("  " + format_summary(summarize(trainer, history)).replace("\n", "\n  "))
-
-
-def demo_checkpoint():
-    print("\n== demo 5: saved on dp2 x pp2 x tp2, restored on pp4 x tp2 ==")
-    with tempfile.TemporaryDirectory() as directory:
-        a = Trainer(CFG, SPEC, verify.OPTIM, batch_size=BATCH, seq_len=16)
-        with Checkpoints(directory, every=10) as ckpt:
-            _, whole = fit(a, steps=20, checkpoints=ckpt, progress=False)
+def demo_checkpoint(trainer, state, saved, directory):
+    """The lesson's state at step 10 saved, 10 more steps and the run's summary, then the
+    checkpoint restored on pp4 x tp2 and compared with `saved` (the lesson's canonical
+    params, optimizer state and step)."""
+    print(f"\n== demo 3: the lesson's state saved at step 10, steps 10-19 with fit on {SPEC.describe()}, "
+          "the checkpoint restored on pp4 x tp2 ==")
+    with Checkpoints(directory) as ckpt:
+        ckpt.save(trainer, state)                                    # orbax, in the canonical (reference) layout
+        _, history = fit(trainer, steps=20, state=state, progress=False)   # steps 10-19; the state is donated
+        print("  " + summary.format_summary(summary.summarize(trainer, history)).replace("\n", "\n  "))
         spec = ParallelSpec(pp=4, tp=2, microbatches=4)
-        b = Trainer(CFG, spec, verify.OPTIM, batch_size=BATCH, seq_len=16)
-        with Checkpoints(directory) as ckpt:
-            state = ckpt.restore(b, step=10)
-        _, resumed = fit(b, steps=20, state=state, progress=False)
-    diff = np.max(np.abs(np.array(resumed.losses) - whole.losses[10:]) / np.array(whole.losses[10:]))
-    print(f"  steps 10-19 on {spec.describe()} after the restore: losses {np.round(resumed.losses[:4], 4)} ...; "
-          f"max relative difference from the uninterrupted run {diff:.1e}")
+        other = Trainer(CFG, spec, OPTIM, batch_size=B, seq_len=T)   # another mesh: its step compiles only if run
+        restored = jax.device_get(other.canonical(ckpt.restore(other, step=10)))
+    same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)))
+    print(f"  restored on {spec.describe()}: parameters, AdamW moments and step equal to the saved ones, bit for bit: "
+          f"{'ok' if same else 'FAILED'}; fit(other, steps=20, state=...) trains on from there")
 
 
 if __name__ == "__main__":
     print(f"{len(jax.devices())} {jax.devices()[0].platform} devices\n")
+    trainer, state, saved = lesson()
     demo_bad_spec()
     demo_nnx()
-    demo_parity()
-    demo_summary()
-    demo_checkpoint()
+    with tempfile.TemporaryDirectory() as directory:
+        demo_checkpoint(trainer, state, saved, directory)

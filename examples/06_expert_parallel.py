@@ -107,7 +107,8 @@ def demo_imbalance(ranks=4):
         rows.append((cf, C, 1 - kept.mean(), per_rank.tolist(), per_rank.max() / per_rank.mean()))
     print(f"  token-slots per rank {rows[0][3]}: the busiest rank works {rows[0][4]:.2f}x the mean, and every layer "
           "waits for it")
-    print("\nDemo 3: capacity factor vs tokens dropped (exercise 9c): C = ceil(cf x t k / E) slots per expert from each rank")
+    print("\nDemo 3: capacity factor vs tokens dropped (exercise 9c): C = ceil(cf x t k / E) slots per expert from "
+          "each rank")
     print("  capacity factor  slots/expert  dropped  per rank after drops   busiest/mean")
     for cf, C, drop_rate, per_rank, imbalance in rows:
         name = "dropless" if cf is None else f"{cf:.2f}"

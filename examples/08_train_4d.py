@@ -66,7 +66,8 @@ def lesson(steps=10):
         ours.append((float(metrics["loss"]), float(metrics["norm"])))
         ref.append((float(loss), float(norm)))
     for i in (0, 1, steps - 1):
-        print(f"  step {i}: loss {ours[i][0]:.6f} vs {ref[i][0]:.6f}, gradient norm {ours[i][1]:.6f} vs {ref[i][1]:.6f}")
+        (loss, norm), (ref_loss, ref_norm) = ours[i], ref[i]
+        print(f"  step {i}: loss {loss:.6f} vs {ref_loss:.6f}, gradient norm {norm:.6f} vs {ref_norm:.6f}")
     saved = jax.device_get(trainer.canonical(state))                 # (params, AdamW state, step): the same on any mesh
     final = saved[0]                                                 # params as reference.init_params lays them out
     errors = {"losses": rel([o[0] for o in ours], [r[0] for r in ref]),

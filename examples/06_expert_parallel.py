@@ -59,7 +59,7 @@ def demo_parity(m):
     dp, ep = mesh.axis_size(m, mesh.DP), mesh.axis_size(m, mesh.EP)
     B, T = 2 * dp * ep, 8
     p, x, dy = verify.moe_inputs(CFG, B, T, skew=1.0)              # a router that favours the first experts
-    rows = P((mesh.DP, mesh.EP))                                    # the batch over dp x ep
+    rows = P((mesh.DP, mesh.EP) if dp > 1 else mesh.EP)             # the batch over dp x ep
     experts = {"router": P(), "w_up": P(mesh.EP), "w_down": P(mesh.EP)}
     layer = jax.shard_map(partial(moe_shard, top_k=CFG.top_k), mesh=m, in_specs=(experts, rows),
                           out_specs=(rows, rows))
@@ -145,7 +145,8 @@ def demo_bias():
 
 def main():
     ep = 4 if n % 4 == 0 else 2 if n % 2 == 0 else 1
-    m = mesh.make_mesh(dp=n // ep, ep=ep)              # 8 devices: dp=2 x ep=4
+    # 8 devices: dp=2 x ep=4 (no dp axis of size 1: XLA would keep the gradient all-reduce over it)
+    m = mesh.make_mesh(dp=n // ep, ep=ep) if n // ep > 1 else mesh.make_mesh(ep=ep)
     print(f"{n} devices, mesh {mesh.describe(m)}\n")
     demo_parity(m)
     if n >= 4:

@@ -145,7 +145,7 @@ def moe_balance(y, p: dict, routing: router.Routing, *, cfg: reference.ModelConf
     is returned with the balance loss's gradient (aux_loss / batch_size per sequence and
     layer, on tp rank 0) and the statistics (into p[STATS], when there) attached to its
     backward."""
-    cp, tp = sizes["cp"], sizes["tp"]
+    cp, tp = sizes[CP], sizes[TP]
     counts, prob_sums = router.sequence_sums(routing, sequences=sequences, kind=cfg.router)   # [s, E] each
     on_tp0 = _first(TP, tp, counts.dtype)
     aux_sum = jnp.zeros((), counts.dtype)

@@ -43,7 +43,7 @@ from jaxpar import reference
 from jaxpar.errors import ConfigError
 from jaxpar.data import zero
 from jaxpar.data.reduce import reduce_gradients
-from jaxpar.mesh import PP, TP
+from jaxpar.mesh import CP, DP, EP, PP, TP
 from jaxpar.pipeline import runtime
 from jaxpar.pipeline.stage import from_stages, to_microbatches, to_stages
 from jaxpar.train import balance
@@ -107,9 +107,9 @@ class Trainer:
         layer_specs, first_specs, last_specs = model_lib.specs(cfg, spec)
         shapes = model_lib.split(jax.eval_shape(lambda: reference.init_params(jax.random.key(0), cfg, self.dtype)))
         ids = jax.ShapeDtypeStruct((self.batch_size, self.seq_len), jnp.int32)
-        row_axes = tuple(a for a in ("dp", "ep") if spec.sizes[a] > 1)
+        row_axes = tuple(a for a in (DP, EP) if spec.sizes[a] > 1)
         batch_spec = P(row_axes if len(row_axes) > 1 else row_axes[0] if row_axes else None,
-                       "cp" if spec.cp > 1 else None)
+                       CP if spec.cp > 1 else None)
         self.local = runtime.local(
             self.schedule, stage_fn, shapes["blocks"], (ids, ids), mesh=self.mesh, loss_fn=loss_fn,
             recompute=spec.recompute, input_grads=False, param_specs=layer_specs, batch_spec=batch_spec,

@@ -22,9 +22,9 @@ def run() -> list[dict]:
                                     ("deepseek-v3", 2048, 15360 * 4096, (1,))):
         model = catalog.model(name)
         cluster = S.Cluster(gpu=catalog.accelerator("h100"), gpus=gpus)
-        seq = 8192 if name != "deepseek-v3" else 4096
+        seq_len = 8192 if name != "deepseek-v3" else 4096
         start = time.perf_counter()
-        found = S.search(model, cluster, tokens=tokens, seq=seq, cps=cps)
+        found = S.search(model, cluster, tokens=tokens, seq_len=seq_len, cps=cps)
         rows.append({"figure": "sweep", "model": name, "gpus": gpus, "cp sizes": len(cps),
                      "configurations": len(found), "feasible": sum(e.feasible for e in found),
                      "seconds": time.perf_counter() - start})

@@ -39,7 +39,7 @@ from jaxpar.pipeline import orders, plan, schedule  # noqa: E402
 from jaxpar.planner import catalog  # noqa: E402
 from jaxpar.planner.search import block  # noqa: E402
 
-GPT3 = A.Block(hidden=12288, heads=96)
+GPT3 = A.Block(d_model=12288, n_heads=96)
 QUADRATIC = ("softmax output", "softmax dropout mask", "dropout output")
 CFG = verify.CFG                    # D=256, 8 heads of 32, GeLU MLP of 1024, no dropout
 B, T = 2, 256                       # float32 activations
@@ -84,18 +84,18 @@ def lesson():
     s, b, h, a = T, B, CFG.d_model, CFG.n_heads
     print(f"== one layer's stored activations, s={s} b={b} h={h} a={a}, float32: the model against the compiled "
           "program ==")
-    layer = A.Block(hidden=h, heads=a, ffn=CFG.d_ff, dropout=False, act_bytes=4)   # the same layer, for the model
+    layer = A.Block(d_model=h, n_heads=a, d_ff=CFG.d_ff, dropout=False, act_bytes=4)   # the same layer, for the model
     print(f"  model, no dropout: sbh(32 + 2as/h) bytes at 16 bits, x 2 in float32 = "
           f"{s * b * h * (32 + 2 * a * s / h) * 2 / 2**20:.2f} MiB; TP + SP splits every term t ways")
     for name, tp, sp in (("no parallelism", 1, False), ("TP + SP, t=4", 4, True)):
-        model = A.layer_bytes(layer, seq=s, batch=b, tp=tp, sp=sp)
+        model = A.layer_bytes(layer, seq_len=s, batch_size=b, tp=tp, sp=sp)
         print(f"  {name:<16} per layer {stored_per_layer(tp, sp) / 2**20:.2f} MiB compiled, "
               f"{model / 2**20:.2f} MiB model")
 
 
 def demo_layer():
     print("\n== demo 1: one GPT-3 175B layer, s=2048 b=1 (16-bit activations, 1-byte masks) ==")
-    terms = A.breakdown(GPT3, seq=2048)
+    terms = A.breakdown(GPT3, seq_len=2048)
     for name, b in terms:
         print(f"  {name:<28} {b / 1e9:7.3f} GB")
     quad = sum(b for name, b in terms if name in QUADRATIC)
@@ -111,14 +111,14 @@ def demo_parallel():
                      ("TP + selective recompute", dict(tp=8, recompute="selective")),
                      ("TP + SP + selective: 34sbh/t", dict(tp=8, sp=True, recompute="selective")),
                      ("TP + SP + full recompute: 2sbh/t", dict(tp=8, sp=True, recompute="full"))]:
-        print(f"  {what:<34} {A.layer_bytes(GPT3, seq=2048, **kw) / 1e9:6.3f} GB per layer")
+        print(f"  {what:<34} {A.layer_bytes(GPT3, seq_len=2048, **kw) / 1e9:6.3f} GB per layer")
 
 
 def demo_long():
     print("\n== demo 3: TP + SP, t = 8, as the sequence grows ==")
     for s in (2048, 8192, 32768, 131072):
-        lin = A.layer_bytes(GPT3, seq=s, tp=8, sp=True, recompute="selective")
-        full = A.layer_bytes(GPT3, seq=s, tp=8, sp=True)
+        lin = A.layer_bytes(GPT3, seq_len=s, tp=8, sp=True, recompute="selective")
+        full = A.layer_bytes(GPT3, seq_len=s, tp=8, sp=True)
         print(f"  s={s:>6}: 34sbh/t {lin / 1e9:5.2f} GB, attention matrix {1 - lin / full:4.0%} of the layer")
     print("  (lecture: 0.11 GB -> 6.85 GB, 70% -> 99%)")
 
@@ -126,16 +126,17 @@ def demo_long():
 def demo_modern():
     print("\n== demo 4: Llama 3 405B's own layer (no dropout, SwiGLU F=3.25h, 8 KV heads), s=8192, t=8 + SP ==")
     m = catalog.model("llama3-405b")
-    for kind in ("gpt", "block"):
-        blk = block(m, kind)
-        sel = A.layer_bytes(blk, seq=8192, tp=8, sp=True, recompute="selective")
+    for activation_model in ("gpt", "block"):
+        blk = block(m, activation_model)
+        sel = A.layer_bytes(blk, seq_len=8192, tp=8, sp=True, recompute="selective")
         in_flight = pipeline_formulas.in_flight("1f1b", p=16, m=16)      # 16: p warm-up forwards
-        first = A.first_stage_bytes(blk, layers=126, seq=8192, tp=8, sp=True, recompute="selective", pp=16,
+        first = A.first_stage_bytes(blk, n_layers=126, seq_len=8192, tp=8, sp=True, recompute="selective", pp=16,
                                     in_flight=in_flight)
-        print(f"  {kind:<5}: selective {sel / 1e9:.3f} GB per layer; first stage of PP 16 under 1F1B (8 layers x "
+        print(f"  {activation_model:<5}: selective {sel / 1e9:.3f} GB per layer; first stage of PP 16 under 1F1B (8 layers x "
               f"{in_flight:g} in flight): {first / 1e9:.0f} GB")
-    flash = A.Block(hidden=16384, heads=128, kv_heads=8, ffn=53248, mlp="swiglu", dropout=False, flash=True)
-    print(f"  flash attention, no recompute: {A.layer_bytes(flash, seq=8192, tp=8, sp=True) / 1e9:.3f} GB per layer "
+    flash = A.Block(d_model=16384, n_heads=128, n_kv_heads=8, d_ff=53248, mlp="swiglu", dropout=False, flash=True)
+    flash_layer = A.layer_bytes(flash, seq_len=8192, tp=8, sp=True)
+    print(f"  flash attention, no recompute: {flash_layer / 1e9:.3f} GB per layer "
           "(no s^2 term: the softmax statistics instead)")
 
 

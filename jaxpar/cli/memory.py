@@ -20,8 +20,8 @@ from jaxpar.pipeline import orders
 from jaxpar.planner import catalog
 from jaxpar.planner.search import ACTIVATIONS, block
 
-FLAGS = {"seq": "--seq", "batch": "--batch", "tp": "--tp", "cp": "--cp", "sp": "--sp", "recompute": "--recompute",
-         "pp": "--pp", "microbatches": "--microbatches", "chunks": "--chunks"}
+FLAGS = {"seq_len": "--seq", "batch_size": "--batch", "tp": "--tp", "cp": "--cp", "sp": "--sp",
+         "recompute": "--recompute", "pp": "--pp", "microbatches": "--microbatches", "chunks": "--chunks"}
 HELP = "activation memory of one layer, term by term, and of the first pipeline stage (lecture 4.2-4.5)"
 
 
@@ -29,8 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="gpt3-175b", help=f"one of: {', '.join(catalog.MODELS)}")
     parser.add_argument("--activations", default="block", choices=ACTIVATIONS,
                         help="block: the model's own layer; gpt: Korthikanti's GPT-3 layer at its h and a")
-    parser.add_argument("--seq", type=int, default=2048, help="sequence length s (default 2048)")
-    parser.add_argument("--batch", type=int, default=1, help="microbatch b in sequences (default 1)")
+    parser.add_argument("--seq", dest="seq_len", type=int, default=2048, help="sequence length s (default 2048)")
+    parser.add_argument("--batch", dest="batch_size", type=int, default=1,
+                        help="sequences b of one microbatch (default 1)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size t")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism with tp")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
@@ -45,25 +46,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args) -> int:
     model = catalog.model(args.model)
     blk = block(model, args.activations)
-    kw = dict(seq=args.seq, batch=args.batch, tp=args.tp, sp=args.sp, cp=args.cp, recompute=args.recompute)
+    kw = dict(seq_len=args.seq_len, batch_size=args.batch_size, tp=args.tp, sp=args.sp, cp=args.cp,
+              recompute=args.recompute)
     terms = A.breakdown(blk, **kw)
     layer = sum(b for _, b in terms)
     errors.whole("pp", args.pp)    # refused as pp (--pp), before the schedule's p
     in_flight = pipeline_formulas.in_flight(args.schedule, p=args.pp, m=args.microbatches, chunks=args.chunks)
-    stage = A.first_stage_bytes(blk, layers=model.layers, pp=args.pp, in_flight=in_flight, **kw)
+    stage = A.first_stage_bytes(blk, n_layers=model.n_layers, pp=args.pp, in_flight=in_flight, **kw)
     quad = sum(b for name, b in terms if name in ("softmax output", "softmax dropout mask", "dropout output"))
     out = {"terms": dict(terms), "layer_bytes": layer, "attention_matrix_bytes": quad,
-           "layers": model.layers, "first_stage_bytes": stage,
+           "layers": model.n_layers, "first_stage_bytes": stage,
            "in_flight": in_flight}
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"{model.name} layer ({args.activations}: h={blk.hidden} a={blk.heads} K={blk.k} F={blk.f} {blk.mlp}"
-          f"{' dropout' if blk.dropout else ''}), s={args.seq} b={args.batch} tp={args.tp}"
+    print(f"{model.name} layer ({args.activations}: h={blk.d_model} a={blk.n_heads} K={blk.n_kv_heads} "
+          f"F={blk.d_ff} {blk.mlp}"
+          f"{' dropout' if blk.dropout else ''}), s={args.seq_len} b={args.batch_size} tp={args.tp}"
           f"{' sp' if args.sp else ''} cp={args.cp} recompute={args.recompute}\n")
     print(table([{"term": n, "GB": b / 1e9} for n, b in terms]))
     print(f"\none layer: {(layer - quad) / 1e9:.3g} + {quad / 1e9:.3g} (attention matrix) = {layer / 1e9:.3g} GB; "
-          f"{model.layers} layers: {model.layers * layer / 1e9:.3g} GB")
-    print(f"first stage, pp={args.pp} {args.schedule} m={args.microbatches}: ceil({model.layers}/{args.pp}) layers x "
+          f"{model.n_layers} layers: {model.n_layers * layer / 1e9:.3g} GB")
+    print(f"first stage, pp={args.pp} {args.schedule} m={args.microbatches}: ceil({model.n_layers}/{args.pp}) layers x "
           f"{out['in_flight']:g} microbatches in flight = {stage / 1e9:.3g} GB")
     return 0

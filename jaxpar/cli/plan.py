@@ -21,7 +21,7 @@ from jaxpar.memory import activations
 from jaxpar.planner import catalog
 from jaxpar.planner import search as S
 
-FLAGS = {"gpus": "--gpus", "mfu": "--mfu", "tokens": "--tokens", "seq": "--seq", "zero": "--zero",
+FLAGS = {"gpus": "--gpus", "mfu": "--mfu", "tokens": "--tokens", "seq_len": "--seq", "zero": "--zero",
          "activations": "--activations", "recompute": "--recompute", "cp": "--cp", "tp": "--tp"}
 HELP = "the 3D/4D parallelism planner: memory, bubble and communication of every configuration (lecture 7)"
 GB = 1e9
@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama3-405b", help=f"one of: {', '.join(catalog.MODELS)}")
     parser.add_argument("--gpu", default="h100", help=f"one of: {', '.join(catalog.ACCELERATORS)}")
     parser.add_argument("--gpus", type=int, default=16384, help="GPU count (a multiple of GPUs per node)")
-    parser.add_argument("--seq", type=int, default=8192, help="sequence length (default 8192)")
+    parser.add_argument("--seq", dest="seq_len", type=int, default=8192, help="sequence length (default 8192)")
     parser.add_argument("--tokens", default="16M", help="global batch in tokens: 16M, 4096, 3.2e7 (default 16M)")
     parser.add_argument("--mfu", type=float, default=0.5, help="fraction of peak FLOP/s compute reaches (0.5)")
     parser.add_argument("--zero", type=int, default=1, help="ZeRO stage over dp (default 1)")
@@ -85,7 +85,7 @@ def _config(text: str) -> S.Candidate:
         key, _, value = part.partition("=")
         if key.strip() not in {f.name for f in S.Candidate.__dataclass_fields__.values()}:
             raise ConfigError(f"--config {text!r}: {key.strip()!r} is not one of tp, pp, dp, cp, ep, chunks, "
-                              "microbatch, recompute")
+                              "microbatch_size, recompute")
         fields[key.strip()] = value.strip() if key.strip() == "recompute" else int(value)
     return S.Candidate(**fields)
 
@@ -102,22 +102,23 @@ def main(args) -> int:
     args.tokens = tokens(args.tokens)
     model, gpu = catalog.model(args.model), catalog.accelerator(args.gpu)
     cluster = S.Cluster(gpu=gpu, gpus=args.gpus, mfu=args.mfu)
-    head = (f"{model.name} ({model.params / 1e9:.1f}B params) on {args.gpus} {gpu.name}, seq {args.seq}, "
+    head = (f"{model.name} ({model.params / 1e9:.1f}B params) on {args.gpus} {gpu.name}, seq {args.seq_len}, "
             f"{args.tokens / 2**20:g}M tokens a step, MFU {args.mfu}, ZeRO-{args.zero}, activations: {args.activations}")
     if args.config:
-        e = S.evaluate(model, cluster, _config(args.config), tokens=args.tokens, seq=args.seq, zero=args.zero,
+        e = S.evaluate(model, cluster, _config(args.config), tokens=args.tokens, seq_len=args.seq_len, zero=args.zero,
                        activation_model=args.activations)
         out = row(e, cluster) | {"memory": e.memory, "times": e.times}
         print(json.dumps(out, indent=1, default=str) if args.json else head + "\n\n" + table([row(e, cluster)]))
         return 0
     cps = tuple(int(c) for c in args.cp.split(","))
-    found = S.search(model, cluster, tokens=args.tokens, seq=args.seq, zero=args.zero, cps=cps,
+    found = S.search(model, cluster, tokens=args.tokens, seq_len=args.seq_len, zero=args.zero, cps=cps,
                      activation_model=args.activations)
-    choice = S.best(model, cluster, tokens=args.tokens, seq=args.seq, zero=args.zero, cps=cps,
+    choice = S.best(model, cluster, tokens=args.tokens, seq_len=args.seq_len, zero=args.zero, cps=cps,
                     activation_model=args.activations)
-    published = [p for p in catalog.PUBLISHED if p.model == model.name and p.gpus == args.gpus and p.seq == args.seq]
+    published = [p for p in catalog.PUBLISHED
+                 if p.model == model.name and p.gpus == args.gpus and p.seq_len == args.seq_len]
     pub_rows = [row(S.evaluate(model, cluster, S.Candidate(tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep,
-                                                           recompute=rc), tokens=args.tokens, seq=args.seq,
+                                                           recompute=rc), tokens=args.tokens, seq_len=args.seq_len,
                                zero=args.zero, activation_model=args.activations), cluster) | {"source": p.source}
                 for p in published for rc in activations.RECOMPUTE]
     feasible = [e for e in found if e.feasible]

@@ -3,7 +3,8 @@
 Korthikanti et al. 2022 ("Reducing activation recomputation in large transformer
 models"), GPT-style layer with 16-bit activations and 1-byte dropout masks:
 
-    bytes per layer = s*b*h * (34 + 5*a*s/h)          s sequence, b microbatch, h hidden, a heads
+    bytes per layer = s*b*h * (34 + 5*a*s/h)          s = seq_len, b = batch_size (one
+                                                      microbatch's), h = d_model, a = n_heads
 
 `layer_terms` lists the terms that make it up, each with the factor it is split by:
 
@@ -31,7 +32,7 @@ backward, as FlashAttention does); full recompute keeps only the layer's input, 
 
 Modern blocks (`Block` options; constants derived in docs/memory.md):
   dropout=False   no masks and no dropout output: 32sbh + 2as^2b
-  kv_heads=K      K and V are 2sbh*K/a each: Q and K 2sbh(1 + K/a), V 2sbh*K/a
+  n_kv_heads=K    K and V are 2sbh*K/a each: Q and K 2sbh(1 + K/a), V 2sbh*K/a
   mlp="swiglu"    gate and up outputs and their product (the down projection's input):
                   6sbF (a fused SwiGLU recomputes silu(gate)); F = d_ff
   flash=True      no s^2 term: the softmax statistics instead, 4asb (float32 lse)
@@ -52,39 +53,36 @@ GB = 1e9
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Block:
-    """One transformer layer's shape and kind. Defaults: GPT-3 style (LayerNorm, GeLU MLP
-    of 4h, dropout, multi-head attention, attention matrix materialised)."""
+    """One transformer layer's shape and form, in reference.ModelConfig's names. Defaults:
+    GPT-3 style (LayerNorm, GeLU MLP of 4h, dropout, multi-head attention, attention
+    matrix materialised). n_kv_heads and d_ff given as None become n_heads and 4 * d_model."""
 
-    hidden: int
-    heads: int
-    kv_heads: int | None = None     # None: = heads
-    ffn: int | None = None          # None: 4 * hidden
+    d_model: int
+    n_heads: int
+    n_kv_heads: int | None = None   # None: = n_heads
+    d_ff: int | None = None         # None: 4 * d_model
     mlp: str = "gelu"
     dropout: bool = True
     flash: bool = False
     act_bytes: int = 2              # 16-bit activations
 
     def __post_init__(self):
-        for name in ("hidden", "heads", "act_bytes"):
+        for name in ("d_model", "n_heads", "act_bytes"):
             errors.whole(name, getattr(self, name))
-        if self.kv_heads is not None:
-            errors.whole("kv_heads", self.kv_heads)
-            if self.heads % self.kv_heads:
-                raise ConfigError(f"heads={self.heads} is not a multiple of kv_heads={self.kv_heads}: each KV head "
-                                  "serves heads/kv_heads query heads")
-        if self.ffn is not None:
-            errors.whole("ffn", self.ffn)
+        if self.n_kv_heads is not None:
+            errors.whole("n_kv_heads", self.n_kv_heads)
+            if self.n_heads % self.n_kv_heads:
+                raise ConfigError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}: each "
+                                  "KV head serves n_heads/n_kv_heads query heads")
+        else:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.d_ff is not None:
+            errors.whole("d_ff", self.d_ff)
+        else:
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
         errors.one_of("mlp", self.mlp, ("gelu", "swiglu"))
         errors.flag("dropout", self.dropout)
         errors.flag("flash", self.flash)
-
-    @property
-    def f(self) -> int:
-        return self.ffn or 4 * self.hidden
-
-    @property
-    def k(self) -> int:
-        return self.kv_heads or self.heads
 
 
 class Term(NamedTuple):
@@ -94,11 +92,11 @@ class Term(NamedTuple):
     quadratic: bool    # an s^2 term (dropped by selective recompute)
 
 
-def layer_terms(block: Block, *, seq: int, batch: int) -> list[Term]:
+def layer_terms(block: Block, *, seq_len: int, batch_size: int) -> list[Term]:
     """The stored activations of one layer, unsplit (see the module docstring)."""
-    errors.whole("seq", seq)
-    errors.whole("batch", batch)
-    s, b, h, a, f, k = seq, batch, block.hidden, block.heads, block.f, block.k
+    errors.whole("seq_len", seq_len)
+    errors.whole("batch_size", batch_size)
+    s, b, h, a, f, k = seq_len, batch_size, block.d_model, block.n_heads, block.d_ff, block.n_kv_heads
     x = block.act_bytes * s * b * h            # one [s, b, h] activation
     kv = x * k / a
     terms = [Term("attention norm input", x, "sp", False), Term("QKV input (norm output)", x, "sp", False),
@@ -126,42 +124,43 @@ def layer_terms(block: Block, *, seq: int, batch: int) -> list[Term]:
     return terms
 
 
-def layer_bytes(block: Block, *, seq: int, batch: int = 1, tp: int = 1, sp: bool = False, cp: int = 1,
+def layer_bytes(block: Block, *, seq_len: int, batch_size: int = 1, tp: int = 1, sp: bool = False, cp: int = 1,
                 recompute: str = "none") -> float:
     """Bytes of one layer's stored activations on one device."""
-    return sum(b for _, b in breakdown(block, seq=seq, batch=batch, tp=tp, sp=sp, cp=cp, recompute=recompute))
+    return sum(b for _, b in breakdown(block, seq_len=seq_len, batch_size=batch_size, tp=tp, sp=sp, cp=cp,
+                                       recompute=recompute))
 
 
-def breakdown(block: Block, *, seq: int, batch: int = 1, tp: int = 1, sp: bool = False, cp: int = 1,
+def breakdown(block: Block, *, seq_len: int, batch_size: int = 1, tp: int = 1, sp: bool = False, cp: int = 1,
               recompute: str = "none") -> list[tuple[str, float]]:
     """[(term, bytes on one device)] for one layer under tp (and sp), cp and recompute."""
     for name, value in (("tp", tp), ("cp", cp)):
         errors.whole(name, value)
     errors.flag("sp", sp)
     errors.one_of("recompute", recompute, RECOMPUTE)
-    if seq % cp:
-        raise ConfigError(f"seq={seq} is not divisible by cp={cp}: each cp rank holds seq/cp tokens")
-    if sp and seq % (tp * cp):
-        raise ConfigError(f"seq={seq} is not divisible by tp x cp = {tp * cp}: sequence parallelism keeps "
-                          "seq/(tp cp) tokens per device")
-    s = seq // cp
+    if seq_len % cp:
+        raise ConfigError(f"seq_len={seq_len} is not divisible by cp={cp}: each cp rank holds seq_len/cp tokens")
+    if sp and seq_len % (tp * cp):
+        raise ConfigError(f"seq_len={seq_len} is not divisible by tp x cp = {tp * cp}: sequence parallelism keeps "
+                          "seq_len/(tp cp) tokens per device")
+    s = seq_len // cp
     if recompute == "full":
-        return [("layer input (full recompute)", block.act_bytes * s * batch * block.hidden / (tp if sp else 1))]
+        return [("layer input (full recompute)", block.act_bytes * s * batch_size * block.d_model / (tp if sp else 1))]
     ring = dataclasses.replace(block, flash=True) if cp > 1 else block   # ring attention is blockwise
     out = []
-    for t in layer_terms(ring, seq=s, batch=batch):
+    for t in layer_terms(ring, seq_len=s, batch_size=batch_size):
         if t.quadratic and recompute == "selective":
             continue
         out.append((t.name, t.bytes / (tp if t.split == "tp" or sp else 1)))
     return out
 
 
-def gpt_formula(*, seq: int, batch: int, hidden: int, heads: int, tp: int = 1, sp: bool = False,
+def gpt_formula(*, seq_len: int, batch_size: int, d_model: int, n_heads: int, tp: int = 1, sp: bool = False,
                 recompute: str = "none") -> float:
     """The paper's closed forms (bytes per layer), for checking the terms:
     sbh(34 + 5as/h); TP sbh(10 + 24/t + 5as/(ht)); TP+SP sbh/t (34 + 5as/h);
     selective recompute drops 5as/h; full recompute 2sbh (/t with SP)."""
-    sbh, q = seq * batch * hidden, 5 * heads * seq / hidden
+    sbh, q = seq_len * batch_size * d_model, 5 * n_heads * seq_len / d_model
     q = 0 if recompute == "selective" else q
     if recompute == "full":
         return 2 * sbh / (tp if sp else 1)
@@ -172,15 +171,17 @@ def gpt_formula(*, seq: int, batch: int, hidden: int, heads: int, tp: int = 1, s
 
 # ---- the whole model on the first pipeline stage ---------------------------------------
 
-def first_stage_bytes(block: Block, *, layers: int, seq: int, batch: int = 1, tp: int = 1, sp: bool = False,
-                      cp: int = 1, recompute: str = "none", pp: int = 1, in_flight: float = 1) -> float:
+def first_stage_bytes(block: Block, *, n_layers: int, seq_len: int, batch_size: int = 1, tp: int = 1,
+                      sp: bool = False, cp: int = 1, recompute: str = "none", pp: int = 1,
+                      in_flight: float = 1) -> float:
     """Activation bytes on the first pipeline stage at its peak: layers per stage (the
-    first stage takes ceil(layers/pp)) x one layer x `in_flight`, the microbatches whose
-    activations it holds, in whole stages (a schedule's: `pipeline.formulas.in_flight`)."""
-    errors.whole("layers", layers)
+    first stage takes ceil(n_layers/pp)) x one layer x `in_flight`, the microbatches whose
+    activations it holds, in whole stages (a schedule's: `pipeline.formulas.in_flight`).
+    batch_size is one microbatch's."""
+    errors.whole("n_layers", n_layers)
     errors.whole("pp", pp)
     errors.number("in_flight", in_flight, fix="give the microbatches in flight, e.g. "
                   "pipeline.formulas.in_flight('1f1b', p=8, m=64) = 8")
-    per_stage = -(-layers // pp)
-    return per_stage * layer_bytes(block, seq=seq, batch=batch, tp=tp, sp=sp, cp=cp, recompute=recompute) * \
-        float(in_flight)
+    per_stage = -(-n_layers // pp)
+    return per_stage * layer_bytes(block, seq_len=seq_len, batch_size=batch_size, tp=tp, sp=sp, cp=cp,
+                                   recompute=recompute) * float(in_flight)

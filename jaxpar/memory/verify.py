@@ -86,12 +86,12 @@ def tagged_block(p: dict, x, cfg: reference.ModelConfig, *, axis: str | None = N
     return h + rows(hidden, p["w_down"])
 
 
-def _stack_temp(cfg, n_layers: int, batch: int, seq: int, *, mesh, tp: int, sp: bool, recompute: str) -> int:
+def _stack_temp(cfg, n_layers: int, batch_size: int, seq_len: int, *, mesh, tp: int, sp: bool, recompute: str) -> int:
     """Compiled temp bytes per device of jit(grad) of a scan over n_layers tagged blocks."""
     cfg = reference.ModelConfig(**{**vars(cfg), "n_layers": n_layers})
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                           reference.init_params(jax.random.key(0), cfg)["blocks"])
-    x = jax.ShapeDtypeStruct((batch, seq, cfg.d_model), jnp.float32)
+    x = jax.ShapeDtypeStruct((batch_size, seq_len, cfg.d_model), jnp.float32)
     axis = TP if tp > 1 else None
     if recompute == "autodiff":      # reference.block as JAX differentiates it, nothing named
         layer = functools.partial(reference.block, cfg=cfg)
@@ -105,24 +105,25 @@ def _stack_temp(cfg, n_layers: int, batch: int, seq: int, *, mesh, tp: int, sp: 
 
     grad = jax.grad(loss, argnums=(0, 1))
     if tp > 1:
-        specs = TPSpecs.megatron(n_kv_heads=cfg.n_kv_heads, tp=tp).params(
+        pspecs = TPSpecs.megatron(n_kv_heads=cfg.n_kv_heads, tp=tp).params(
             reference.layer_params(reference.init_params(jax.random.key(0), cfg), 0))
-        specs = jax.tree.map(lambda s: P(None, *s), specs)
+        pspecs = jax.tree.map(lambda s: P(None, *s), pspecs)
         act = P(None, TP) if sp else P()
-        grad = jax.shard_map(grad, mesh=mesh, in_specs=(specs, act), out_specs=(specs, act))
+        grad = jax.shard_map(grad, mesh=mesh, in_specs=(pspecs, act), out_specs=(pspecs, act))
     return jax.jit(grad).lower(params, x).compile().memory_analysis().temp_size_in_bytes
 
 
-def measured_layer(cfg, *, batch: int, seq: int, tp: int = 1, sp: bool = False, recompute: str = "none",
-                   layers: int = 2) -> float:
+def measured_layer(cfg, *, batch_size: int, seq_len: int, tp: int = 1, sp: bool = False, recompute: str = "none",
+                   n_layers: int = 2) -> float:
     """One layer's stored activations per device, from two compiled programs."""
     mesh = mesh_lib.make_mesh(tp=tp, devices=jax.devices()[:tp]) if tp > 1 else None
     kw = dict(mesh=mesh, tp=tp, sp=sp, recompute=recompute)
-    return (_stack_temp(cfg, 2 * layers, batch, seq, **kw) - _stack_temp(cfg, layers, batch, seq, **kw)) / layers
+    return (_stack_temp(cfg, 2 * n_layers, batch_size, seq_len, **kw)
+            - _stack_temp(cfg, n_layers, batch_size, seq_len, **kw)) / n_layers
 
 
 def block_of(cfg: reference.ModelConfig) -> A.Block:
-    return A.Block(hidden=cfg.d_model, heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, ffn=cfg.d_ff, mlp=cfg.mlp,
+    return A.Block(d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, d_ff=cfg.d_ff, mlp=cfg.mlp,
                    dropout=False, act_bytes=4)
 
 
@@ -131,7 +132,7 @@ CASES = [("no parallelism", 1, False, "none"), ("TP t=4", 4, False, "none"), ("T
          ("selective recompute", 1, False, "selective"), ("full recompute", 1, False, "full")]
 
 
-def check_memory(batch: int = 2, seq: int = 256, cases=CASES) -> list[Result]:
+def check_memory(batch_size: int = 2, seq_len: int = 256, cases=CASES) -> list[Result]:
     """The activation model within 10% of the compiled program for each case of `cases`."""
     n = len(jax.devices())
     out = []
@@ -139,23 +140,23 @@ def check_memory(batch: int = 2, seq: int = 256, cases=CASES) -> list[Result]:
         if tp > n:
             continue
         start = time.perf_counter()
-        got = measured_layer(CFG, batch=batch, seq=seq, tp=tp, sp=sp, recompute=rc)
-        model = A.layer_bytes(block_of(CFG), seq=seq, batch=batch, tp=tp, sp=sp, recompute=rc)
+        got = measured_layer(CFG, batch_size=batch_size, seq_len=seq_len, tp=tp, sp=sp, recompute=rc)
+        model = A.layer_bytes(block_of(CFG), seq_len=seq_len, batch_size=batch_size, tp=tp, sp=sp, recompute=rc)
         rel = abs(got - model) / model
         plain = ""
         if name == "no parallelism":
-            autodiff = measured_layer(CFG, batch=batch, seq=seq, recompute="autodiff")
+            autodiff = measured_layer(CFG, batch_size=batch_size, seq_len=seq_len, recompute="autodiff")
             plain = (f"; plain autodiff of reference.block keeps {autodiff / 2**20:.2f} MiB "
                      f"({autodiff / model:.2f}x: see docs/memory.md)")
         out.append(Result(name=f"activation model: {name}", mesh=f"tp={tp}" if tp > 1 else "-",
                           errors={"|compiled - model| / model": rel}, passed=rel <= 0.10,
                           seconds=time.perf_counter() - start,
                           note=f"per layer {got / 2**20:.2f} MiB compiled, {model / 2**20:.2f} MiB model "
-                               f"(f32 B={batch} T={seq} D={CFG.d_model} a={CFG.n_heads}){plain}"))
+                               f"(f32 B={batch_size} T={seq_len} D={CFG.d_model} a={CFG.n_heads}){plain}"))
     return out
 
 
-def _pipeline_temp(name: str, p: int, m: int, *, cfg, batch: int, seq: int) -> tuple[int, object]:
+def _pipeline_temp(name: str, p: int, m: int, *, cfg, microbatch_size: int, seq_len: int) -> tuple[int, object]:
     """Compiled temp bytes per device of the runtime's step for `name`, with tagged blocks
     as the stage's layers (the model's storage), and the plan."""
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
@@ -163,14 +164,14 @@ def _pipeline_temp(name: str, p: int, m: int, *, cfg, batch: int, seq: int) -> t
     layer = jax.checkpoint(functools.partial(tagged_block, cfg=cfg),
                            policy=jax.checkpoint_policies.save_only_these_names(*SAVED["none"]))
     s = schedule_lib.make(name, stages=p, microbatches=m)
-    x = jax.ShapeDtypeStruct((batch * m, seq, cfg.d_model), jnp.float32)
+    x = jax.ShapeDtypeStruct((microbatch_size * m, seq_len, cfg.d_model), jnp.float32)
     pipe = runtime.pipeline(s, runtime.layers(layer), params, (x, x), mesh=mesh_lib.make_mesh(
         pp=p, devices=jax.devices()[:p]), input_grads=False)
     staged = jax.eval_shape(lambda q: runtime.to_stages(q, s), params)
     return pipe.step.lower(staged, x, x, None, None).compile().memory_analysis().temp_size_in_bytes, pipe.plan
 
 
-def check_pipeline_memory(p: int = 2, m: int = 8, batch: int = 2, seq: int = 128) -> list[Result]:
+def check_pipeline_memory(p: int = 2, m: int = 8, microbatch_size: int = 2, seq_len: int = 128) -> list[Result]:
     """The microbatches in flight on the first stage (pipeline.formulas.in_flight) against the
     runtime's compiled temp memory. GPipe at m and 2m gives the cost of one more in
     flight (a stage's activations and its waiting gradient); 1F1B and ZB-H2 at m then
@@ -181,16 +182,17 @@ def check_pipeline_memory(p: int = 2, m: int = 8, batch: int = 2, seq: int = 128
         return []
     cfg = reference.ModelConfig(**{**vars(CFG), "n_layers": 2 * p})
     start = time.perf_counter()
-    temp = lambda name, mm: _pipeline_temp(name, p, mm, cfg=cfg, batch=batch, seq=seq)
+    temp = lambda name, mm: _pipeline_temp(name, p, mm, cfg=cfg, microbatch_size=microbatch_size, seq_len=seq_len)
     (g1, _), (g2, _) = temp("gpipe", m), temp("gpipe", 2 * m)
     per = (g2 - g1) / m
-    model = 2 * A.layer_bytes(block_of(cfg), seq=seq, batch=batch) + batch * seq * cfg.d_model * 4
+    model = (2 * A.layer_bytes(block_of(cfg), seq_len=seq_len, batch_size=microbatch_size)
+             + microbatch_size * seq_len * cfg.d_model * 4)
     out = [Result(name="pipeline memory: one more microbatch in flight", mesh=f"pp={p}",
                   errors={"|compiled - model| / model": abs(per - model) / model},
                   passed=abs(per - model) <= 0.10 * model, seconds=time.perf_counter() - start,
                   note=f"GPipe m={m} -> {2 * m}: {per / 2**20:.2f} MiB each, model {model / 2**20:.2f} MiB "
                        "(2 layers' activations + the waiting output gradient)")]
-    act = batch * seq * cfg.d_model * 4
+    act = microbatch_size * seq_len * cfg.d_model * 4
     for name in ("1f1b", "zb-h2"):
         t, plan = temp(name, m)
         kept = (plan.n_res + 1) * 2 * act if plan.schedule.split_backward else 0   # output gradients for W

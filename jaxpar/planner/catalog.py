@@ -15,26 +15,27 @@ from jaxpar.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Model:
+    """A model's sizes, in reference.ModelConfig's names (d_ff: the dense MLP's width)."""
     name: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
     vocab: int
     params: float                 # total parameters
     mlp: str = "swiglu"
     dropout: bool = False         # GPT-3 trained with dropout; Llama does not
     experts: int = 0              # routed experts per MoE layer (0: dense)
     top_k: int = 0
-    expert_ffn: int = 0
+    expert_d_ff: int = 0          # one routed expert's MLP width
     moe_layers: int = 0
     shared_experts: int = 0
 
     @property
     def expert_params(self) -> float:
         """Parameters of the routed experts (split by ep)."""
-        return float(self.moe_layers * self.experts * 3 * self.hidden * self.expert_ffn)
+        return float(self.moe_layers * self.experts * 3 * self.d_model * self.expert_d_ff)
 
     @property
     def dense_params(self) -> float:
@@ -45,7 +46,7 @@ class Model:
         """Parameters one token goes through (dense, plus top_k experts per MoE layer)."""
         if not self.experts:
             return self.params
-        return self.dense_params + self.moe_layers * self.top_k * 3 * self.hidden * self.expert_ffn
+        return self.dense_params + self.moe_layers * self.top_k * 3 * self.d_model * self.expert_d_ff
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,7 +65,7 @@ class Published:
     model: str
     gpu: str
     gpus: int
-    seq: int
+    seq_len: int
     tokens: float           # global batch, tokens
     tp: int
     pp: int
@@ -75,16 +76,18 @@ class Published:
 
 
 MODELS = {m.name: m for m in (
-    Model(name="gpt3-175b", layers=96, hidden=12288, heads=96, kv_heads=96, ffn=49152, vocab=50257, params=175e9,
-          mlp="gelu", dropout=True),
-    Model(name="llama3-8b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, params=8.03e9),
-    Model(name="llama3-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256, params=70.6e9),
-    Model(name="llama3-405b", layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256,
+    Model(name="gpt3-175b", n_layers=96, d_model=12288, n_heads=96, n_kv_heads=96, d_ff=49152, vocab=50257,
+          params=175e9, mlp="gelu", dropout=True),
+    Model(name="llama3-8b", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336, vocab=128256,
+          params=8.03e9),
+    Model(name="llama3-70b", n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672, vocab=128256,
+          params=70.6e9),
+    Model(name="llama3-405b", n_layers=126, d_model=16384, n_heads=128, n_kv_heads=8, d_ff=53248, vocab=128256,
           params=405.8e9),
-    Model(name="deepseek-v3", layers=61, hidden=7168, heads=128, kv_heads=128, ffn=18432, vocab=129280, params=671e9,
-          experts=256, top_k=8, expert_ffn=2048, moe_layers=58, shared_experts=1),
-    Model(name="mixtral-8x7b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000, params=46.7e9,
-          experts=8, top_k=2, expert_ffn=14336, moe_layers=32),
+    Model(name="deepseek-v3", n_layers=61, d_model=7168, n_heads=128, n_kv_heads=128, d_ff=18432, vocab=129280,
+          params=671e9, experts=256, top_k=8, expert_d_ff=2048, moe_layers=58, shared_experts=1),
+    Model(name="mixtral-8x7b", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336, vocab=32000,
+          params=46.7e9, experts=8, top_k=2, expert_d_ff=14336, moe_layers=32),
 )}
 
 ACCELERATORS = {g.name: g for g in (
@@ -97,15 +100,15 @@ ACCELERATORS = {g.name: g for g in (
 )}
 
 PUBLISHED = (
-    Published(model="llama3-405b", gpu="h100", gpus=16384, seq=8192, tokens=16 * 2**20, tp=8, pp=16, dp=128,
+    Published(model="llama3-405b", gpu="h100", gpus=16384, seq_len=8192, tokens=16 * 2**20, tp=8, pp=16, dp=128,
               source="Llama 3 paper (Dubey et al. 2024), table 4"),
-    Published(model="llama3-405b", gpu="h100", gpus=8192, seq=8192, tokens=16 * 2**20, tp=8, pp=16, dp=64,
+    Published(model="llama3-405b", gpu="h100", gpus=8192, seq_len=8192, tokens=16 * 2**20, tp=8, pp=16, dp=64,
               source="Llama 3 paper, table 4"),
-    Published(model="llama3-405b", gpu="h100", gpus=16384, seq=131072, tokens=16 * 2**20, tp=8, pp=16, dp=8, cp=16,
+    Published(model="llama3-405b", gpu="h100", gpus=16384, seq_len=131072, tokens=16 * 2**20, tp=8, pp=16, dp=8, cp=16,
               source="Llama 3 paper, table 4 (long-context stage)"),
-    Published(model="gpt3-175b", gpu="a100", gpus=1536, seq=2048, tokens=1536 * 2048, tp=8, pp=16, dp=12,
+    Published(model="gpt3-175b", gpu="a100", gpus=1536, seq_len=2048, tokens=1536 * 2048, tp=8, pp=16, dp=12,
               source="Narayanan et al. 2021, table 1"),
-    Published(model="deepseek-v3", gpu="h800", gpus=2048, seq=4096, tokens=15360 * 4096, tp=1, pp=16, dp=128, ep=64,
+    Published(model="deepseek-v3", gpu="h800", gpus=2048, seq_len=4096, tokens=15360 * 4096, tp=1, pp=16, dp=128, ep=64,
               source="DeepSeek-V3 technical report (2024), section 3.2"),
 )
 

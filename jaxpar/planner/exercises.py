@@ -8,20 +8,21 @@ from jaxpar.planner import catalog
 from jaxpar.planner.search import Candidate, Cluster, evaluate, tp_wire_bytes
 
 
-def exercise_1(p: int = 8, max_bubble: float = 0.10, seqs_per_mb: int = 4, seq: int = 4096) -> dict:
+def exercise_1(p: int = 8, max_bubble: float = 0.10, microbatch_size: int = 4, seq_len: int = 4096) -> dict:
     """The fewest microbatches with a 1F1B bubble of at most max_bubble, and the tokens
     of one pipeline's batch: m >= 63 and about 1.03 M tokens for p = 8, 10%."""
     m = 1
     while pipeline_formulas.bubble("1f1b", p, m) > max_bubble + 1e-12:
         m += 1
-    return {"microbatches": m, "bubble": pipeline_formulas.bubble("1f1b", p, m), "tokens": m * seqs_per_mb * seq}
+    return {"microbatches": m, "bubble": pipeline_formulas.bubble("1f1b", p, m),
+            "tokens": m * microbatch_size * seq_len}
 
 
 def exercise_3(b: int = 1, s: int = 8192, h: int = 8192, t: int = 8) -> dict:
     """One layer under TP t in bf16: bytes each GPU sends per step (forward + backward),
     NVLink and InfiniBand times, and the layer's compute per GPU on an H100 at 50% MFU."""
     h100 = catalog.accelerator("h100")
-    model = catalog.Model(name="exercise-3", layers=1, hidden=h, heads=64, kv_heads=64, ffn=4 * h, vocab=1,
+    model = catalog.Model(name="exercise-3", n_layers=1, d_model=h, n_heads=64, n_kv_heads=64, d_ff=4 * h, vocab=1,
                           params=12 * h * h, mlp="gelu")
     sent = tp_wire_bytes(model, tokens=b * s, tp=t)
     compute = 24 * b * s * h * h * 3 / t / (h100.flops * 0.5)
@@ -39,5 +40,5 @@ def exercise_8(tokens: float = 32 * 2**20) -> dict:
     """Llama 3 405B on 16384 H100 at (tp, pp, dp) = (8, 16, 128) with a 32 M-token batch:
     m = 32 microbatches per pipeline, bubble 15/47."""
     est = evaluate(catalog.model("llama3-405b"), Cluster(gpu=catalog.accelerator("h100"), gpus=16384),
-                   Candidate(tp=8, pp=16, dp=128, recompute="full"), tokens=tokens, seq=8192)
+                   Candidate(tp=8, pp=16, dp=128, recompute="full"), tokens=tokens, seq_len=8192)
     return {"microbatches": est.microbatches, "bubble": est.bubble}

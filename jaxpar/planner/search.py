@@ -2,13 +2,13 @@
 rank the rest by a modelled step time (lecture 7.2-7.3).
 
 For a model, a cluster (an accelerator, a GPU count, an MFU assumption) and a global
-batch of `tokens` in sequences of `seq`, every (tp, pp, dp, cp, ep, chunks, microbatch,
-recompute) with tp*pp*dp*cp = GPUs is estimated (`evaluate`):
+batch of `tokens` in sequences of `seq_len`, every (tp, pp, dp, cp, ep, chunks,
+microbatch_size, recompute) with tp*pp*dp*cp = GPUs is estimated (`evaluate`):
 
   memory    model states (`memory.states`, ZeRO over dp) + the first stage's activations
             (`memory.activations.first_stage_bytes`: the model's own block, sequence
             parallel with tp, microbatches in flight of the schedule);
-  compute   tokens x (6 x active params + 6 x layers x hidden x seq, causal attention)
+  compute   tokens x (6 x active params + 6 x n_layers x d_model x seq_len, causal attention)
             / (GPUs x peak x mfu); full recompute adds a forward (x 4/3), selective the
             attention's forward;
   bubble    `pipeline.formulas.bubble` of the schedule (`orders.DEFAULT`, 1F1B, or its
@@ -23,7 +23,7 @@ recompute) with tp*pp*dp*cp = GPUs is estimated (`evaluate`):
   step      (compute + TP + EP + PP) / (1 - bubble) + DP: no overlap, a rough model.
 
 Rejected: a tp that splits neither heads nor KV heads, a pp larger than the layers, a
-batch that does not split into dp x microbatch sequences, m < p, the sizes the schedule
+batch that does not split into dp x microbatch_size sequences, m < p, the sizes the schedule
 itself refuses (its registry entry's `requires`: m a multiple of p when interleaved), a
 sequence cp (and tp with SP) does not split, an ep that does not divide dp or the
 experts, and memory above the accelerator's. `Estimate.reasons` says why.
@@ -73,7 +73,7 @@ class Candidate:
     cp: int = 1
     ep: int = 1
     chunks: int = 1
-    microbatch: int = 1          # sequences per microbatch
+    microbatch_size: int = 1     # sequences per microbatch
     recompute: str = "none"
 
     @property
@@ -84,7 +84,7 @@ class Candidate:
 
     def label(self) -> str:
         extra = "".join(f" {k}={v}" for k, v in (("cp", self.cp), ("ep", self.ep), ("v", self.chunks)) if v > 1)
-        return f"tp={self.tp} pp={self.pp} dp={self.dp}{extra} mb={self.microbatch} {self.recompute}"
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}{extra} mb={self.microbatch_size} {self.recompute}"
 
 
 @dataclasses.dataclass
@@ -109,14 +109,15 @@ class Estimate:
         return self.times[part] / self.times["compute"]
 
 
-def sequences(tokens, seq) -> int:
-    errors.whole("seq", seq)
+def sequences(tokens, seq_len) -> int:
+    """The sequences of seq_len tokens in a global batch of `tokens`."""
+    errors.whole("seq_len", seq_len)
     if not isinstance(tokens, (int, float)) or isinstance(tokens, bool) or tokens <= 0:
         raise ConfigError(f"tokens={tokens!r}: the global batch in tokens, e.g. 16 * 2**20")
-    n = tokens / seq
+    n = tokens / seq_len
     if n < 1 or abs(n - round(n)) > 1e-9:
-        raise ConfigError(f"a global batch of {tokens:g} tokens is not a whole number of {seq}-token sequences: "
-                          f"use a multiple of {seq}")
+        raise ConfigError(f"a global batch of {tokens:g} tokens is not a whole number of {seq_len}-token sequences: "
+                          f"use a multiple of {seq_len}")
     return round(n)
 
 
@@ -129,15 +130,16 @@ def block(model: Model, activation_model: str = "block") -> activations.Block:
     model's h and a ("gpt", as the lecture's planner counts)."""
     errors.one_of("activations", activation_model, ACTIVATIONS)
     if activation_model == "gpt":
-        return activations.Block(hidden=model.hidden, heads=model.heads)
-    return activations.Block(hidden=model.hidden, heads=model.heads, kv_heads=model.kv_heads,
-                             ffn=model.ffn, mlp=model.mlp, dropout=model.dropout)
+        return activations.Block(d_model=model.d_model, n_heads=model.n_heads)
+    return activations.Block(d_model=model.d_model, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,
+                             d_ff=model.d_ff, mlp=model.mlp, dropout=model.dropout)
 
 
 def _sizes(model: Model):
     """The sizes tensor.formulas reads, for one of the model's blocks."""
-    return SimpleNamespace(vocab=model.vocab, d_model=model.hidden, n_heads=model.heads, n_kv_heads=model.kv_heads,
-                           head_dim=model.hidden // model.heads, d_ff=model.ffn, mlp=model.mlp)
+    return SimpleNamespace(vocab=model.vocab, d_model=model.d_model, n_heads=model.n_heads,
+                           n_kv_heads=model.n_kv_heads, head_dim=model.d_model // model.n_heads, d_ff=model.d_ff,
+                           mlp=model.mlp)
 
 
 def tp_wire_bytes(model: Model, *, tokens: int, tp: int, passes: int = 2) -> float:
@@ -154,28 +156,28 @@ def tp_wire_bytes(model: Model, *, tokens: int, tp: int, passes: int = 2) -> flo
     return total
 
 
-def evaluate(model: Model, cluster: Cluster, cand: Candidate, *, tokens, seq: int, zero: int = 1,
+def evaluate(model: Model, cluster: Cluster, cand: Candidate, *, tokens, seq_len: int, zero: int = 1,
              activation_model: str = "block") -> Estimate:
     c, gpu = cand, cluster.gpu
-    n_seq = sequences(tokens, seq)
+    n_seq = sequences(tokens, seq_len)
     reasons = []
     if c.tp * c.pp * c.dp * c.cp != cluster.gpus:
         reasons.append(f"tp x pp x dp x cp = {c.tp * c.pp * c.dp * c.cp} is not the {cluster.gpus} GPUs")
-    if model.heads % c.tp or (model.kv_heads % c.tp and c.tp % model.kv_heads):
-        reasons.append(f"tp={c.tp} splits neither the {model.heads} heads nor the {model.kv_heads} KV heads evenly")
-    if c.pp > model.layers or c.pp * c.chunks > model.layers:
-        reasons.append(f"pp x chunks = {c.pp * c.chunks} stages for {model.layers} layers")
-    if n_seq % (c.dp * c.microbatch):
-        reasons.append(f"{n_seq} sequences do not split into dp={c.dp} x microbatch={c.microbatch}")
-    m = n_seq // (c.dp * c.microbatch) if c.dp * c.microbatch else 0
+    if model.n_heads % c.tp or (model.n_kv_heads % c.tp and c.tp % model.n_kv_heads):
+        reasons.append(f"tp={c.tp} splits neither the {model.n_heads} heads nor the {model.n_kv_heads} KV heads evenly")
+    if c.pp > model.n_layers or c.pp * c.chunks > model.n_layers:
+        reasons.append(f"pp x chunks = {c.pp * c.chunks} stages for {model.n_layers} layers")
+    if n_seq % (c.dp * c.microbatch_size):
+        reasons.append(f"{n_seq} sequences do not split into dp={c.dp} x microbatch_size={c.microbatch_size}")
+    m = n_seq // (c.dp * c.microbatch_size) if c.dp * c.microbatch_size else 0
     if c.pp > 1 and m < c.pp:
         reasons.append(f"m = {m} microbatches < p = {c.pp} (the pipeline never fills)")
     try:
         orders.REGISTRY[c.schedule].requires(c.schedule, c.pp, m, c.chunks)
     except ConfigError as e:
         reasons.append(str(e))
-    if seq % (c.cp * c.tp):
-        reasons.append(f"seq={seq} does not split into cp x tp = {c.cp * c.tp} (context and sequence parallel)")
+    if seq_len % (c.cp * c.tp):
+        reasons.append(f"seq_len={seq_len} does not split into cp x tp = {c.cp * c.tp} (context and sequence parallel)")
     if model.experts and (c.dp % c.ep or model.experts % c.ep):
         reasons.append(f"ep={c.ep} must divide dp={c.dp} and the {model.experts} experts")
     if not model.experts and c.ep > 1:
@@ -186,19 +188,19 @@ def evaluate(model: Model, cluster: Cluster, cand: Candidate, *, tokens, seq: in
     st = states.state_bytes(dense=model.dense_params, experts=model.expert_params, tp=c.tp, pp=c.pp, dp=c.dp,
                             ep=c.ep, zero=zero)
     in_flight = pipeline_formulas.in_flight(c.schedule, p=c.pp, m=m, chunks=c.chunks)
-    act = activations.first_stage_bytes(block(model, activation_model), layers=model.layers, seq=seq,
-                                        batch=c.microbatch, tp=c.tp, sp=c.tp > 1, cp=c.cp, recompute=c.recompute,
-                                        pp=c.pp, in_flight=in_flight)
+    act = activations.first_stage_bytes(block(model, activation_model), n_layers=model.n_layers, seq_len=seq_len,
+                                        batch_size=c.microbatch_size, tp=c.tp, sp=c.tp > 1, cp=c.cp,
+                                        recompute=c.recompute, pp=c.pp, in_flight=in_flight)
     memory = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": act}
     memory["total"] = sum(memory.values())
     if memory["total"] > gpu.memory:
         reasons.append(f"memory {memory['total'] / GB:.1f} GB > {gpu.memory / GB:.0f} GB")
 
-    flops = 6 * model.active_params + 6 * model.layers * model.hidden * seq
-    extra = {"none": 0.0, "selective": 2 * model.layers * model.hidden * seq, "full": 2 * model.active_params}
-    compute = n_seq * seq * (flops + extra[c.recompute]) / (cluster.gpus * gpu.flops * cluster.mfu)
-    passes_per_step = -(-model.layers // c.pp) * m          # layer-microbatches per device per step
-    local_tokens = c.microbatch * seq // c.cp
+    flops = 6 * model.active_params + 6 * model.n_layers * model.d_model * seq_len
+    extra = {"none": 0.0, "selective": 2 * model.n_layers * model.d_model * seq_len, "full": 2 * model.active_params}
+    compute = n_seq * seq_len * (flops + extra[c.recompute]) / (cluster.gpus * gpu.flops * cluster.mfu)
+    passes_per_step = -(-model.n_layers // c.pp) * m          # layer-microbatches per device per step
+    local_tokens = c.microbatch_size * seq_len // c.cp
     bw = lambda group: gpu.intra if group <= gpu.per_node else gpu.inter
     tp_s = passes_per_step * tp_wire_bytes(model, tokens=local_tokens, tp=c.tp,
                                            passes=3 if c.recompute == "full" else 2) / bw(c.tp)
@@ -206,12 +208,12 @@ def evaluate(model: Model, cluster: Cluster, cand: Candidate, *, tokens, seq: in
     if model.experts and c.ep > 1:
         moe_passes = -(-model.moe_layers // c.pp) * m
         ep_s = moe_passes * 4 * expert_formulas.dispatch_bytes(tokens=local_tokens, top_k=model.top_k,
-                                                               d_model=model.hidden, ep=c.ep, dtype=ACT_DTYPE) \
+                                                               d_model=model.d_model, ep=c.ep, dtype=ACT_DTYPE) \
             / bw(c.tp * c.ep)
-    act_bytes = local_tokens * model.hidden * 2 / c.tp
+    act_bytes = local_tokens * model.d_model * 2 / c.tp
     pp_s = 2 * m * c.chunks * act_bytes / gpu.inter if c.pp > 1 else 0.0
-    kv = model.kv_heads / model.heads
-    cp_s = passes_per_step * 3 * (c.cp - 1) * 2 * local_tokens * model.hidden * kv * 2 / c.tp / bw(c.tp * c.cp)
+    kv = model.n_kv_heads / model.n_heads
+    cp_s = passes_per_step * 3 * (c.cp - 1) * 2 * local_tokens * model.d_model * kv * 2 / c.tp / bw(c.tp * c.cp)
     grad_bytes = 2 * (model.dense_params / (c.tp * c.pp))
     dp_s = grad_bytes * 2 * (c.dp - 1) / c.dp / gpu.inter if c.dp > 1 else 0.0
     bubble = pipeline_formulas.bubble(c.schedule, c.pp, m, c.chunks) if c.pp > 1 else 0.0
@@ -225,37 +227,38 @@ def _powers(limit: int) -> list[int]:
 
 
 def candidates(model: Model, cluster: Cluster, *, tps=None, pps=None, cps=(1,), eps=None, chunks=(1, 2),
-               microbatches=(1, 2, 4), recompute=activations.RECOMPUTE):
+               microbatch_sizes=(1, 2, 4), recompute=activations.RECOMPUTE):
     """Every Candidate over the given choices (powers of two by default) that uses all GPUs."""
     n = cluster.gpus
     tps = tps or _powers(min(n, 2 * cluster.gpu.per_node))
-    pps = pps or _powers(min(n, model.layers))
+    pps = pps or _powers(min(n, model.n_layers))
     eps = eps or (_powers(min(n, model.experts)) if model.experts else (1,))
     for tp, pp, cp in itertools.product(tps, pps, cps):
         if n % (tp * pp * cp):
             continue
         dp = n // (tp * pp * cp)
-        for ep, v, mb, rc in itertools.product(eps, chunks if pp > 1 else (1,), microbatches, recompute):
-            yield Candidate(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, chunks=v, microbatch=mb, recompute=rc)
+        for ep, n_chunks, size, rc in itertools.product(eps, chunks if pp > 1 else (1,), microbatch_sizes, recompute):
+            yield Candidate(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, chunks=n_chunks, microbatch_size=size, recompute=rc)
 
 
-def search(model: Model, cluster: Cluster, *, tokens, seq: int, zero: int = 1, activation_model: str = "block",
+def search(model: Model, cluster: Cluster, *, tokens, seq_len: int, zero: int = 1, activation_model: str = "block",
            **choices) -> list[Estimate]:
     """Every candidate evaluated: the feasible ones first, fastest first, then the rejected."""
-    sequences(tokens, seq)
+    sequences(tokens, seq_len)
     block(model, activation_model)
-    out = [evaluate(model, cluster, c, tokens=tokens, seq=seq, zero=zero, activation_model=activation_model)
+    out = [evaluate(model, cluster, c, tokens=tokens, seq_len=seq_len, zero=zero, activation_model=activation_model)
            for c in candidates(model, cluster, **choices)]
     return sorted(out, key=lambda e: (not e.feasible, e.step, e.candidate.tp, e.candidate.pp))
 
 
-def best(model: Model, cluster: Cluster, *, tokens, seq: int, zero: int = 1, activation_model: str = "block",
+def best(model: Model, cluster: Cluster, *, tokens, seq_len: int, zero: int = 1, activation_model: str = "block",
          **choices) -> Estimate:
     """The planner's choice: of the feasible configurations within TIE of the fastest, the
     one with the least model parallelism (tp x pp x cp), as the lecture's rule says: what
     data parallelism can do, leave to it (the model is too rough to split 2%). ConfigError
     naming the binding constraint if nothing fits."""
-    found = search(model, cluster, tokens=tokens, seq=seq, zero=zero, activation_model=activation_model, **choices)
+    found = search(model, cluster, tokens=tokens, seq_len=seq_len, zero=zero, activation_model=activation_model,
+                   **choices)
     if found and found[0].feasible:
         near = [e for e in found if e.feasible and e.step <= (1 + TIE) * found[0].step]
         return min(near, key=lambda e: (e.candidate.tp * e.candidate.pp * e.candidate.cp, e.step))

@@ -8,7 +8,7 @@ from jaxpar.planner import catalog, exercises
 from jaxpar.planner import search as S
 from jaxpar.testing import Result
 
-GPT3 = A.Block(hidden=12288, heads=96)
+GPT3 = A.Block(d_model=12288, n_heads=96)
 
 
 def _row(name: str, got: float, want: float, note: str, tol: float) -> Result:
@@ -17,17 +17,17 @@ def _row(name: str, got: float, want: float, note: str, tol: float) -> Result:
 
 
 def check_plan() -> list[Result]:
-    layer = A.layer_bytes(GPT3, seq=2048)
-    sel = [A.layer_bytes(GPT3, seq=s, tp=8, sp=True, recompute="selective") for s in (2048, 131072)]
-    share = 1 - sel[1] / A.layer_bytes(GPT3, seq=131072, tp=8, sp=True)
+    layer = A.layer_bytes(GPT3, seq_len=2048)
+    sel = [A.layer_bytes(GPT3, seq_len=s, tp=8, sp=True, recompute="selective") for s in (2048, 131072)]
+    share = 1 - sel[1] / A.layer_bytes(GPT3, seq_len=131072, tp=8, sp=True)
     h100 = catalog.accelerator("h100")
     l405 = catalog.model("llama3-405b")
 
     def est(tp, pp, dp, mfu=0.5, rc="full"):
         return S.evaluate(l405, S.Cluster(gpu=h100, gpus=16384, mfu=mfu), S.Candidate(tp=tp, pp=pp, dp=dp, recompute=rc),
-                          tokens=16 * 2**20, seq=8192)
+                          tokens=16 * 2**20, seq_len=8192)
     tp8, tp16 = est(8, 16, 128, 1.0, "none").ratio("tp"), est(16, 16, 64, 1.0, "none").ratio("tp")
-    pick = S.best(catalog.model("llama3-8b"), S.Cluster(gpu=h100, gpus=64), tokens=4 * 2**20, seq=8192).candidate
+    pick = S.best(catalog.model("llama3-8b"), S.Cluster(gpu=h100, gpus=64), tokens=4 * 2**20, seq_len=8192).candidate
     e1, e3, e7, e8 = exercises.exercise_1(), exercises.exercise_3(), exercises.exercise_7(), exercises.exercise_8()
     return [
         _row("GPT-3 layer activations (4.2)", layer / 1e9, 2.87, f"{layer / 1e9:.2f} GB per layer, "

@@ -25,24 +25,24 @@ def test_tagged_block_is_reference_block(x64, mlp, kv):
 
 @pytest.mark.parametrize("name,tp,sp,rc", V.CASES)
 def test_compiled_activations_equal_the_model(name, tp, sp, rc):
-    got = V.measured_layer(V.CFG, batch=2, seq=128, tp=tp, sp=sp, recompute=rc)
-    assert got == pytest.approx(A.layer_bytes(V.block_of(V.CFG), seq=128, batch=2, tp=tp, sp=sp, recompute=rc),
+    got = V.measured_layer(V.CFG, batch_size=2, seq_len=128, tp=tp, sp=sp, recompute=rc)
+    assert got == pytest.approx(A.layer_bytes(V.block_of(V.CFG), seq_len=128, batch_size=2, tp=tp, sp=sp, recompute=rc),
                                 rel=0.10)
 
 
 def test_swiglu_and_grouped_query_too():
     cfg = reference.ModelConfig(d_model=256, n_heads=8, n_kv_heads=2, head_dim=32, d_ff=768, mlp="swiglu", vocab=64)
-    got = V.measured_layer(cfg, batch=2, seq=128)
-    assert got == pytest.approx(A.layer_bytes(V.block_of(cfg), seq=128, batch=2), rel=0.10)
+    got = V.measured_layer(cfg, batch_size=2, seq_len=128)
+    assert got == pytest.approx(A.layer_bytes(V.block_of(cfg), seq_len=128, batch_size=2), rel=0.10)
 
 
 def test_plain_autodiff_keeps_more():
     """Plain JAX autodiff of reference.block keeps more than Megatron's layer: the gap the
     docs explain (exact GeLU, the softmax's intermediates and mask, two arrays per norm)."""
-    got = V.measured_layer(V.CFG, batch=2, seq=128, recompute="autodiff")
-    assert got > 1.3 * A.layer_bytes(V.block_of(V.CFG), seq=128, batch=2)
+    got = V.measured_layer(V.CFG, batch_size=2, seq_len=128, recompute="autodiff")
+    assert got > 1.3 * A.layer_bytes(V.block_of(V.CFG), seq_len=128, batch_size=2)
 
 
 def test_pipeline_in_flight_against_the_compiled_runtime():
-    results = V.check_pipeline_memory(m=4, seq=64)
+    results = V.check_pipeline_memory(m=4, seq_len=64)
     assert len(results) == 5 and all(r.passed for r in results), [(r.name, r.errors, r.note) for r in results]

@@ -15,7 +15,7 @@ BATCH = 16 * 2**20
 
 def est(tp, pp, dp, recompute="full", mfu=0.5, tokens=BATCH, **kw):
     return S.evaluate(L405, S.Cluster(gpu=H100, gpus=16384, mfu=mfu), S.Candidate(tp=tp, pp=pp, dp=dp,
-                      recompute=recompute, **kw), tokens=tokens, seq=8192)
+                      recompute=recompute, **kw), tokens=tokens, seq_len=8192)
 
 
 def test_lecture_7_3_tp_communication():
@@ -32,12 +32,12 @@ def test_lecture_7_3_bubble_and_feasibility():
     assert e.feasible
     sel = est(8, 16, 128, "selective")
     assert not sel.feasible and "memory" in sel.reasons[0]                        # selective: above 80 GB
-    found = S.search(L405, S.Cluster(gpu=H100, gpus=16384), tokens=BATCH, seq=8192)
+    found = S.search(L405, S.Cluster(gpu=H100, gpus=16384), tokens=BATCH, seq_len=8192)
     assert any(x.feasible and (x.candidate.tp, x.candidate.pp, x.candidate.dp) == (8, 16, 128) for x in found)
 
 
 def test_llama3_8b_is_all_data_parallel():
-    b = S.best(catalog.model("llama3-8b"), S.Cluster(gpu=H100, gpus=64), tokens=4 * 2**20, seq=8192)
+    b = S.best(catalog.model("llama3-8b"), S.Cluster(gpu=H100, gpus=64), tokens=4 * 2**20, seq_len=8192)
     assert (b.candidate.tp, b.candidate.pp, b.candidate.dp) == (1, 1, 64)
 
 
@@ -55,11 +55,11 @@ def test_exercises():
     assert e8["microbatches"] == 32 and e8["bubble"] == pytest.approx(15 / 47)
 
 
-@pytest.mark.parametrize("pub", catalog.PUBLISHED, ids=lambda p: f"{p.model}-{p.gpus}-{p.seq}")
+@pytest.mark.parametrize("pub", catalog.PUBLISHED, ids=lambda p: f"{p.model}-{p.gpus}-{p.seq_len}")
 def test_published_configurations_are_feasible(pub):
     e = S.evaluate(catalog.model(pub.model), S.Cluster(gpu=catalog.accelerator(pub.gpu), gpus=pub.gpus),
                    S.Candidate(tp=pub.tp, pp=pub.pp, dp=pub.dp, cp=pub.cp, ep=pub.ep, recompute="full"),
-                   tokens=pub.tokens, seq=pub.seq)
+                   tokens=pub.tokens, seq_len=pub.seq_len)
     assert e.feasible, e.reasons
 
 
@@ -69,7 +69,7 @@ def test_rejections_say_why():
     for (tp, pp, dp), why in cases.items():
         e = est(tp, pp, dp)
         assert (why is None and e.feasible) or any(why in r for r in e.reasons), (tp, pp, dp, e.reasons)
-    e = est(8, 16, 128, microbatch=4, tokens=4 * 2**20)     # 512 sequences = dp x 4: m = 1 < p
+    e = est(8, 16, 128, microbatch_size=4, tokens=4 * 2**20)     # 512 sequences = dp x 4: m = 1 < p
     assert any("microbatches < p = 16" in r for r in e.reasons)
 
 
@@ -77,8 +77,8 @@ def test_rejections_say_why():
     (lambda: catalog.model("gpt5"), r"unknown model 'gpt5'; known: gpt3-175b, llama3-8b"),
     (lambda: catalog.accelerator("v100"), r"unknown GPU 'v100'; known: a100, h100"),
     (lambda: S.Cluster(gpu=H100, gpus=12), r"gpus=12 is not a multiple of the 8 h100 per node"),
-    (lambda: S.search(L405, S.Cluster(gpu=H100, gpus=16), tokens=1000, seq=8192), "not a whole number of 8192-token"),
-    (lambda: S.best(L405, S.Cluster(gpu=H100, gpus=8), tokens=8192 * 8, seq=8192), "fits no configuration on 8 h100"),
+    (lambda: S.search(L405, S.Cluster(gpu=H100, gpus=16), tokens=1000, seq_len=8192), "not a whole number of 8192-token"),
+    (lambda: S.best(L405, S.Cluster(gpu=H100, gpus=8), tokens=8192 * 8, seq_len=8192), "fits no configuration on 8 h100"),
     (lambda: S.Cluster(gpu=H100, gpus=8, mfu=1.5), r"mfu=1.5"),
 ])
 def test_bad_input(call, match):
@@ -87,7 +87,7 @@ def test_bad_input(call, match):
 
 
 def test_a_full_sweep_of_16384_gpus_evaluates_every_candidate_once():
-    found = S.search(L405, S.Cluster(gpu=H100, gpus=16384), tokens=BATCH, seq=8192, cps=(1, 2, 4))
+    found = S.search(L405, S.Cluster(gpu=H100, gpus=16384), tokens=BATCH, seq_len=8192, cps=(1, 2, 4))
     # by hand: tp in 1, 2, 4, 8, 16 (powers of two up to two nodes of 8), pp in 1 .. 64 (7
     # powers of two up to the 126 layers), cp in 1, 2, 4: every product divides 16384 = 2^14;
     # 2 chunk counts when pp > 1; 3 microbatch sizes; 3 recompute choices

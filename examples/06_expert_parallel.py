@@ -133,7 +133,7 @@ def demo_bias():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((1024, 16)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((16, 8)) / 4, jnp.float32).at[:, :2].add(0.5)
-    step = jax.jit(lambda b: expert.expert_load(expert.route(w, x, top_k=2, kind="sigmoid", bias=b).experts, 8))
+    step = jax.jit(lambda b: expert.expert_load(expert.route(w, x, top_k=2, scoring="sigmoid", bias=b).experts, 8))
     bias, first = jnp.zeros(8), None
     for i in range(300):
         load = np.asarray(step(bias))

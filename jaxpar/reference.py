@@ -235,15 +235,21 @@ def attention_layer(p: dict, x, *, causal: bool = True, rope_theta: float = 0.0)
     return jnp.einsum("btnh,nhd->btd", o, p["wo"])
 
 
-def mlp(p: dict, x, *, kind: str = "gelu"):
-    """GeLU: GeLU(x W_up) W_down. SwiGLU: (silu(x W_gate) * x W_up) W_down. x: [..., D]."""
+def mlp(p: dict, x, *, mlp: str = "gelu"):
+    """The MLP of form `mlp` (ModelConfig.mlp). GeLU: GeLU(x W_up) W_down. SwiGLU:
+    (silu(x W_gate) * x W_up) W_down. x: [..., D]."""
+    return _mlp(p, x, mlp)
+
+
+def _mlp(p: dict, x, mlp: str):
+    """`mlp`'s body, for callers whose own `mlp` parameter hides the function."""
     up = x @ p["w_up"]
-    if kind == "gelu":
+    if mlp == "gelu":
         hidden = jax.nn.gelu(up, approximate=False)
-    elif kind == "swiglu":
+    elif mlp == "swiglu":
         hidden = jax.nn.silu(x @ p["w_gate"]) * up
     else:
-        raise ConfigError(f"mlp kind {kind!r}: use 'gelu' or 'swiglu'")
+        raise ConfigError(f"mlp={mlp!r}: use 'gelu' or 'swiglu'")
     return hidden @ p["w_down"]
 
 
@@ -256,68 +262,68 @@ def _normalised(top_vals):
     return top_vals / jnp.sum(top_vals, axis=-1, keepdims=True)
 
 
-def router_choice(router, x, *, top_k: int, renormalize: bool = True, kind: str = "softmax", bias=None):
+def router_choice(router, x, *, top_k: int, renormalize: bool = True, scoring: str = "softmax", bias=None):
     """The router's decision for tokens x [..., D] -> (gates [..., E], zero outside each
     token's top-k; chosen [..., E], 1 on its top-k; scores [..., E]).
 
-    softmax: scores = softmax(x W); the top-k of the scores, renormalised to sum to 1
-    (Mixtral) or left raw (Switch/GShard). sigmoid (DeepSeek-V3): scores = sigmoid(x W);
+    scoring="softmax": scores = softmax(x W); the top-k of the scores, renormalised to sum to
+    1 (Mixtral) or left raw (Switch/GShard). "sigmoid" (DeepSeek-V3): scores = sigmoid(x W);
     the top-k of scores + bias are chosen (the bias chooses, it is no gate and gets no
     gradient); the gates are the chosen scores normalised to sum to 1."""
     logits = x @ router
     E = logits.shape[-1]
-    if kind == "softmax" and bias is not None:
-        raise ConfigError("a selection bias (router_bias) goes with the sigmoid router: give kind='sigmoid' "
+    if scoring == "softmax" and bias is not None:
+        raise ConfigError("a selection bias (router_bias) goes with the sigmoid router: give scoring='sigmoid' "
                           "(ModelConfig(router='sigmoid')), or no bias")
-    if kind == "softmax":
+    if scoring == "softmax":
         scores = jax.nn.softmax(logits, axis=-1)
         top_vals, top_idx = jax.lax.top_k(scores, top_k)
         if renormalize:
             top_vals = _normalised(top_vals)
-    elif kind == "sigmoid":
+    elif scoring == "sigmoid":
         scores = jax.nn.sigmoid(logits)
         choice = scores if bias is None else scores + jax.lax.stop_gradient(bias)
         top_idx = jax.lax.top_k(choice, top_k)[1]
         top_vals = _normalised(jnp.take_along_axis(scores, top_idx, axis=-1))
     else:
-        raise ConfigError(f"router kind {kind!r}: use one of {', '.join(map(repr, ROUTERS))}")
+        raise ConfigError(f"scoring={scoring!r}: use one of {', '.join(map(repr, ROUTERS))}")
     one_hot = jax.nn.one_hot(top_idx, E, dtype=scores.dtype)  # [..., k, E]
     return jnp.einsum("...k,...ke->...e", top_vals, one_hot), jnp.sum(one_hot, axis=-2), scores
 
 
-def router_weights(router, x, *, top_k: int, renormalize: bool = True, kind: str = "softmax", bias=None):
+def router_weights(router, x, *, top_k: int, renormalize: bool = True, scoring: str = "softmax", bias=None):
     """The gates [..., E] of `router_choice`: zero outside each token's top-k."""
-    return router_choice(router, x, top_k=top_k, renormalize=renormalize, kind=kind, bias=bias)[0]
+    return router_choice(router, x, top_k=top_k, renormalize=renormalize, scoring=scoring, bias=bias)[0]
 
 
-def balance_loss(scores, chosen, *, top_k: int, kind: str = "softmax"):
+def balance_loss(scores, chosen, *, top_k: int, scoring: str = "softmax"):
     """The Switch/GShard balance loss of each sequence: scores, chosen [B, T, E] ->
     aux [B] = E * sum_e f_e P_e, f_e = (token-slots of the sequence sent to e) / (T k),
     P_e = mean over its tokens of the probability of e (sigmoid scores normalised over
     the experts first, DeepSeek-V3's sequence-wise loss). 1 when balanced."""
-    probs = scores if kind == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
+    probs = scores if scoring == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
     T, E = scores.shape[-2], scores.shape[-1]
     f = jnp.sum(chosen, axis=-2) / (T * top_k)                  # [B, E]
     return E * jnp.sum(f * jnp.mean(probs, axis=-2), axis=-1)
 
 
-def moe_and_routing(p: dict, x, *, top_k: int, kind: str = "gelu", renormalize: bool = True,
-                    router: str = "softmax"):
+def moe_and_routing(p: dict, x, *, top_k: int, mlp: str = "gelu", renormalize: bool = True,
+                    scoring: str = "softmax"):
     """(`moe`'s output, chosen [..., E], scores [..., E]): see router_choice. The selection
     bias is p["router_bias"] [E] when the layer has one."""
-    gates, chosen, scores = router_choice(p["router"], x, top_k=top_k, renormalize=renormalize, kind=router,
+    gates, chosen, scores = router_choice(p["router"], x, top_k=top_k, renormalize=renormalize, scoring=scoring,
                                           bias=p.get("router_bias"))
     out = jnp.zeros_like(x)
     for e in range(p["router"].shape[-1]):
         expert = {name: p[name][e] for name in ("w_up", "w_gate", "w_down") if name in p}
-        out = out + gates[..., e:e + 1] * mlp(expert, x, kind=kind)
+        out = out + gates[..., e:e + 1] * _mlp(expert, x, mlp)
     return out, chosen, scores
 
 
-def moe(p: dict, x, *, top_k: int, kind: str = "gelu", renormalize: bool = True, router: str = "softmax"):
-    """Mixture of experts, every expert run on every token, mixed by the top-k gates.
-    No capacity, nothing dropped. x: [..., D]."""
-    return moe_and_routing(p, x, top_k=top_k, kind=kind, renormalize=renormalize, router=router)[0]
+def moe(p: dict, x, *, top_k: int, mlp: str = "gelu", renormalize: bool = True, scoring: str = "softmax"):
+    """Mixture of experts, every expert (an MLP of form `mlp`) run on every token, mixed by
+    the top-k gates. No capacity, nothing dropped. x: [..., D]."""
+    return moe_and_routing(p, x, top_k=top_k, mlp=mlp, renormalize=renormalize, scoring=scoring)[0]
 
 
 def block_and_balance(p: dict, x, cfg: ModelConfig):
@@ -327,10 +333,10 @@ def block_and_balance(p: dict, x, cfg: ModelConfig):
                             rope_theta=cfg.rope_theta)
     z = rms_norm(h, p["mlp_norm"], cfg.norm_eps)
     if not cfg.n_experts:
-        return h + mlp(p, z, kind=cfg.mlp), jnp.zeros(x.shape[:1], x.dtype), jnp.zeros((0,), jnp.float32)
-    y, chosen, scores = moe_and_routing(p, z, top_k=cfg.top_k, kind=cfg.mlp, renormalize=cfg.moe_renormalize,
-                                        router=cfg.router)
-    aux = balance_loss(scores, chosen, top_k=cfg.top_k, kind=cfg.router)
+        return h + mlp(p, z, mlp=cfg.mlp), jnp.zeros(x.shape[:1], x.dtype), jnp.zeros((0,), jnp.float32)
+    y, chosen, scores = moe_and_routing(p, z, top_k=cfg.top_k, mlp=cfg.mlp, renormalize=cfg.moe_renormalize,
+                                        scoring=cfg.router)
+    aux = balance_loss(scores, chosen, top_k=cfg.top_k, scoring=cfg.router)
     return h + y, aux, jnp.sum(chosen, axis=(0, 1), dtype=jnp.float32)
 
 

@@ -53,13 +53,13 @@ def np_attention(q, k, v, causal):
     return out
 
 
-def np_mlp(p, x, kind):
+def np_mlp(p, x, mlp):
     up = x @ p["w_up"]
-    hidden = np_gelu(up) if kind == "gelu" else np_silu(x @ p["w_gate"]) * up
+    hidden = np_gelu(up) if mlp == "gelu" else np_silu(x @ p["w_gate"]) * up
     return hidden @ p["w_down"]
 
 
-def np_moe(p, x, top_k, kind, renormalize=True):
+def np_moe(p, x, top_k, mlp, renormalize=True):
     """Per token: softmax router, keep the top-k experts, weighted sum of their MLPs."""
     flat = x.reshape(-1, x.shape[-1])
     out = np.zeros_like(flat)
@@ -69,7 +69,7 @@ def np_moe(p, x, top_k, kind, renormalize=True):
         weights = probs[chosen] / (probs[chosen].sum() if renormalize else 1.0)
         for w, e in zip(weights, chosen):
             expert = {n: p[n][e] for n in ("w_up", "w_gate", "w_down") if n in p}
-            out[t] += w * np_mlp(expert, xt, kind)
+            out[t] += w * np_mlp(expert, xt, mlp)
     return out.reshape(x.shape)
 
 
@@ -245,7 +245,7 @@ def test_mlp_gelu_by_hand():
     up = [1.0, -2.0, 0.0]  # x @ w_up
     gelu = [u * 0.5 * (1 + math.erf(u / math.sqrt(2))) for u in up]  # exact (erf) GeLU
     want = gelu[0] * 1 + gelu[1] * 2 + gelu[2] * 3
-    np.testing.assert_allclose(ref.mlp(p, x, kind="gelu"), [[want]], rtol=1e-6)
+    np.testing.assert_allclose(ref.mlp(p, x, mlp="gelu"), [[want]], rtol=1e-6)
 
 
 def test_mlp_swiglu_by_hand():
@@ -255,13 +255,13 @@ def test_mlp_swiglu_by_hand():
     up, gate = [1.0, 2.0], [2.0, -1.0]
     silu = [z / (1 + math.exp(-z)) for z in gate]
     want = silu[0] * up[0] * 1 - silu[1] * up[1]
-    np.testing.assert_allclose(ref.mlp(p, x, kind="swiglu"), [[want]], rtol=1e-6)
+    np.testing.assert_allclose(ref.mlp(p, x, mlp="swiglu"), [[want]], rtol=1e-6)
 
 
-def test_mlp_rejects_unknown_kind():
+def test_mlp_rejects_an_unknown_form():
     p = {"w_up": jnp.ones((2, 2)), "w_down": jnp.ones((2, 2))}
     with pytest.raises(ValueError, match="relu"):
-        ref.mlp(p, jnp.ones((1, 2)), kind="relu")
+        ref.mlp(p, jnp.ones((1, 2)), mlp="relu")
 
 
 def test_router_top_k_gates_by_hand():
@@ -290,14 +290,14 @@ def test_router_gates_zero_outside_top_k_and_sum_to_one():
     np.testing.assert_array_equal(np.sort(np.argsort(-gates, -1)[..., :2], -1), top2)
 
 
-@pytest.mark.parametrize("kind", ["gelu", "swiglu"])
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_dense_moe_equals_per_token_loop(x64, kind, renormalize):
-    cfg = ref.ModelConfig(n_experts=4, top_k=2, n_layers=1, mlp=kind)
+def test_dense_moe_equals_per_token_loop(x64, mlp, renormalize):
+    cfg = ref.ModelConfig(n_experts=4, top_k=2, n_layers=1, mlp=mlp)
     p = ref.layer_params(np_params(cfg, 6, jnp.float64), 0)
     x = randn(7, 2, 3, cfg.d_model, dtype=jnp.float64)
-    got = ref.moe(p, x, top_k=2, kind=kind, renormalize=renormalize)
-    assert_close(got, np_moe(to_np(p), np.asarray(x), 2, kind, renormalize))
+    got = ref.moe(p, x, top_k=2, mlp=mlp, renormalize=renormalize)
+    assert_close(got, np_moe(to_np(p), np.asarray(x), 2, mlp, renormalize))
 
 
 # ---------------------------------------------------------------- block, forward, loss

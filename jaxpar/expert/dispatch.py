@@ -64,10 +64,10 @@ def positions(experts, weights, n_experts: int, drop: str):
     return jnp.zeros((t * k,), jnp.int32).at[rank].set(pos_sorted).reshape(t, k)
 
 
-def _experts(p: dict, h, kind: str):
+def _experts(p: dict, h, mlp: str):
     """Each local expert on its rows: h [S, E_local, C, D] -> [S, E_local, C, D]."""
     up = jnp.einsum("secd,edf->secf", h, p["w_up"])
-    if kind == "swiglu":
+    if mlp == "swiglu":
         up = jax.nn.silu(jnp.einsum("secd,edf->secf", h, p["w_gate"])) * up
     else:
         up = jax.nn.gelu(up, approximate=False)
@@ -75,7 +75,7 @@ def _experts(p: dict, h, kind: str):
 
 
 def ep_moe_shard(p: dict, x, *, axis=EP, top_k: int, capacity_factor=None, drop: str = "position",
-                 kind: str = "gelu", router_kind: str = "softmax", renormalize: bool = True, bias=None,
+                 mlp: str = "gelu", scoring: str = "softmax", renormalize: bool = True, bias=None,
                  routing=None):
     """The MoE layer on this device's tokens x [t, D], inside shard_map over `axis`.
 
@@ -87,10 +87,10 @@ def ep_moe_shard(p: dict, x, *, axis=EP, top_k: int, capacity_factor=None, drop:
     checked the router then); default: routed here. Checked here (ConfigError);
     `dispatch_and_combine` is the same without the checks."""
     errors.one_of("drop", drop, DROPS)
-    errors.one_of("kind", kind, MLPS)
+    errors.one_of("mlp", mlp, MLPS)
     t, D = errors.array("x", x, ndim=2, kinds="f", shape_doc="x[tokens, d_model]")
     if routing is None:
-        E = check_route(p["router"], D, top_k=top_k, kind=router_kind, bias=bias)
+        E = check_route(p["router"], D, top_k=top_k, scoring=scoring, bias=bias)
     else:
         E = routing.probs.shape[-1]
         check_top_k(top_k, E)
@@ -98,36 +98,36 @@ def ep_moe_shard(p: dict, x, *, axis=EP, top_k: int, capacity_factor=None, drop:
     if E % ep:
         raise ConfigError(f"n_experts={E} is not divisible by ep={ep}: each device owns E/ep whole experts. "
                           f"Fix: ep in ({errors.divisors(E)}) or n_experts a multiple of {ep}")
-    check_expert_weights(p, kind=kind, leading=E // ep,
+    check_expert_weights(p, mlp=mlp, leading=E // ep,
                          why=f"each of the ep={ep} devices holds E/ep={E // ep} experts")
-    return dispatch_and_combine(p, x, axis=axis, top_k=top_k, capacity_factor=capacity_factor, drop=drop, kind=kind,
-                                router_kind=router_kind, renormalize=renormalize, bias=bias, routing=routing)
+    return dispatch_and_combine(p, x, axis=axis, top_k=top_k, capacity_factor=capacity_factor, drop=drop, mlp=mlp,
+                                scoring=scoring, renormalize=renormalize, bias=bias, routing=routing)
 
 
-def check_expert_weights(p: dict, *, kind: str, leading: int, why: str) -> None:
+def check_expert_weights(p: dict, *, mlp: str, leading: int, why: str) -> None:
     """Refuse expert weights (w_up, w_down, and w_gate for SwiGLU) that are missing or
     whose leading (expert) axis is not `leading` (`why` says why it must be)."""
-    for name in ("w_up", "w_down") + (("w_gate",) if kind == "swiglu" else ()):
+    for name in ("w_up", "w_down") + (("w_gate",) if mlp == "swiglu" else ()):
         if name not in p or p[name].shape[0] != leading:
             got = "missing" if name not in p else f"shape {tuple(p[name].shape)}"
             raise ConfigError(f"expert weight {name} is {got}: {why}, so it needs leading size {leading}")
 
 
-def dispatch_and_combine(p: dict, x, *, axis, top_k: int, capacity_factor, drop: str, kind: str, router_kind: str,
+def dispatch_and_combine(p: dict, x, *, axis, top_k: int, capacity_factor, drop: str, mlp: str, scoring: str,
                          renormalize: bool, bias, routing):
     """ep_moe_shard on inputs its entry points (ep_moe, ep_moe_shard) have checked: route
     (unless `routing` is given), pack each expert's tokens, all-to-all them to the
     expert's device, run the experts, all-to-all back and combine. x [t, D] ->
     (y [t, D], kept [E], dropped [E])."""
     t, D = x.shape
-    r = select_experts(p["router"], x, top_k=top_k, kind=router_kind, renormalize=renormalize, bias=bias) \
+    r = select_experts(p["router"], x, top_k=top_k, scoring=scoring, renormalize=renormalize, bias=bias) \
         if routing is None else routing
     E = r.probs.shape[-1]
     ep = 1 if axis is None else jax.lax.axis_size(axis)
     local = E // ep
     C = capacity(t, top_k, E, capacity_factor)
     buf, slot, keep = pack(x, r.experts, r.weights, n_experts=E, capacity=C, drop=drop)
-    out = exchange(_experts(p, exchange(buf.reshape(ep, local, C, D), axis), kind), axis)
+    out = exchange(_experts(p, exchange(buf.reshape(ep, local, C, D), axis), mlp), axis)
     y = unpack(out.reshape(E * C, D), slot, keep, r.weights)
     load = expert_load(r.experts, E)
     kept = jnp.zeros((E,), jnp.int32).at[r.experts.reshape(-1)].add(keep.reshape(-1).astype(jnp.int32))
@@ -225,7 +225,7 @@ def specs(mesh, params: dict) -> tuple[dict, P]:
 
 
 def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "position",
-           router_kind: str = "softmax", bias=None):
+           scoring: str = "softmax", bias=None):
     """The MoE layer on global arrays: x [B, T, D] -> (y [B, T, D], MoEStats). Tokens are
     split over (dp, ep), expert weights over ep (EP shares the data-parallel devices).
     Dropless (capacity_factor=None) it equals reference.moe(params, x, top_k=cfg.top_k)."""
@@ -243,9 +243,8 @@ def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "pos
         if name not in params:
             raise ConfigError(f"params has no {name!r}: give the MoE layer's params (router [D, E], w_up [E, D, F],"
                               " w_down [E, F, D], and w_gate for SwiGLU), e.g. reference.layer_params(params, 0)")
-    check_route(params["router"], D, top_k=cfg.top_k, kind=router_kind, bias=bias, n_experts=cfg.n_experts,
-                kind_name="router_kind")
-    check_expert_weights(params, kind=cfg.mlp, leading=cfg.n_experts,
+    check_route(params["router"], D, top_k=cfg.top_k, scoring=scoring, bias=bias, n_experts=cfg.n_experts)
+    check_expert_weights(params, mlp=cfg.mlp, leading=cfg.n_experts,
                          why=f"cfg.n_experts={cfg.n_experts}: one slice per expert")
     if bias is not None and errors.array("bias", bias, ndim=1, kinds="f", shape_doc="bias[n_experts]") != (
             cfg.n_experts,):
@@ -260,7 +259,7 @@ def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "pos
     p = {name: params[name] for name in names}
     p_specs, x_spec = specs(mesh, p)
     shard = functools.partial(dispatch_and_combine, axis=EP if ep > 1 else None, top_k=cfg.top_k,
-                              capacity_factor=capacity_factor, drop=drop, kind=cfg.mlp, router_kind=router_kind,
+                              capacity_factor=capacity_factor, drop=drop, mlp=cfg.mlp, scoring=scoring,
                               renormalize=cfg.moe_renormalize, routing=None)
 
     def run(p, x, bias):

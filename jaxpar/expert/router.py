@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jaxpar import errors
 from jaxpar.errors import ConfigError
 
-KINDS = ("softmax", "sigmoid")
+SCORINGS = ("softmax", "sigmoid")   # how the router turns its logits into scores
 
 
 @jax.tree_util.register_dataclass
@@ -64,31 +64,31 @@ def check_top_k(top_k, n_experts: int) -> int:
     return top_k
 
 
-def check_route(router, d_model: int, *, top_k, kind, bias=None, n_experts: int | None = None,
-                kind_name: str = "kind") -> int:
-    """Refuse (ConfigError) what `route` refuses: a kind not in KINDS (named `kind_name`
-    in the message), a router that is not [d_model, E] (E = n_experts when given), top_k
-    outside 1..E, a bias with softmax gates. Returns E."""
-    errors.one_of(kind_name, kind, KINDS)
+def check_route(router, d_model: int, *, top_k, scoring, bias=None, n_experts: int | None = None) -> int:
+    """Refuse (ConfigError) what `route` refuses: a scoring not in SCORINGS, a router that
+    is not [d_model, E] (E = n_experts when given), top_k outside 1..E, a bias with
+    softmax gates. Returns E."""
+    errors.one_of("scoring", scoring, SCORINGS)
     E = check_router(router, d_model, n_experts)
     check_top_k(top_k, E)
-    if kind == "softmax" and bias is not None:
-        raise ConfigError("bias= is DeepSeek-V3's selection bias: it goes with kind='sigmoid'")
+    if scoring == "softmax" and bias is not None:
+        raise ConfigError("bias= is DeepSeek-V3's selection bias: it goes with scoring='sigmoid'")
     return E
 
 
-def route(router, x, *, top_k: int, kind: str = "softmax", renormalize: bool = True, bias=None) -> Routing:
-    """Route tokens x [t, D] with router [D, E], checked first (check_route). `bias` [E]
-    (sigmoid only) shifts the choice, not the weights."""
-    check_route(router, x.shape[-1], top_k=top_k, kind=kind, bias=bias)
-    return select_experts(router, x, top_k=top_k, kind=kind, renormalize=renormalize, bias=bias)
+def route(router, x, *, top_k: int, scoring: str = "softmax", renormalize: bool = True, bias=None) -> Routing:
+    """Route tokens x [t, D] with router [D, E], checked first (check_route): scores by
+    `scoring` (softmax, or DeepSeek-V3's sigmoid). `bias` [E] (sigmoid only) shifts the
+    choice, not the weights."""
+    check_route(router, x.shape[-1], top_k=top_k, scoring=scoring, bias=bias)
+    return select_experts(router, x, top_k=top_k, scoring=scoring, renormalize=renormalize, bias=bias)
 
 
-def select_experts(router, x, *, top_k: int, kind: str, renormalize: bool, bias) -> Routing:
+def select_experts(router, x, *, top_k: int, scoring: str, renormalize: bool, bias) -> Routing:
     """`route` on inputs check_route has passed: each token of x [t, D] scored by router
     [D, E], its top_k experts chosen and gated."""
     logits = jnp.einsum("td,de->te", x, router.astype(x.dtype))
-    if kind == "softmax":
+    if scoring == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
         weights, experts = jax.lax.top_k(probs, top_k)
         if renormalize:
@@ -123,15 +123,15 @@ def update_bias(bias, load, *, rate: float = 1e-3):
     return bias + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
 
 
-def balance_probs(probs, kind: str = "softmax"):
+def balance_probs(probs, scoring: str = "softmax"):
     """The probabilities P_e averages: softmax probabilities as they are, sigmoid scores
     normalised to sum to 1 over the experts (DeepSeek-V3), so that a balanced router
     scores 1 either way. probs [..., E]."""
-    errors.one_of("kind", kind, KINDS)
-    return probs if kind == "softmax" else probs / jnp.sum(probs, axis=-1, keepdims=True)
+    errors.one_of("scoring", scoring, SCORINGS)
+    return probs if scoring == "softmax" else probs / jnp.sum(probs, axis=-1, keepdims=True)
 
 
-def sequence_sums(routing: Routing, *, sequences: int, kind: str = "softmax"):
+def sequence_sums(routing: Routing, *, sequences: int, scoring: str = "softmax"):
     """Per sequence, the two sums the balance loss is made of, for tokens laid out
     [sequences, t / sequences]: (counts [s, E], token-slots sent to each expert; prob_sums
     [s, E], the sum over the tokens of `balance_probs`). Both add over the devices a
@@ -143,7 +143,7 @@ def sequence_sums(routing: Routing, *, sequences: int, kind: str = "softmax"):
                           "[sequences, tokens per sequence]")
     dtype = jnp.promote_types(routing.probs.dtype, jnp.float32)     # counts exact to 2^24
     chosen = jax.nn.one_hot(routing.experts.reshape(sequences, -1), E, dtype=dtype)       # [s, t/s*k, E]
-    probs = balance_probs(routing.probs, kind).reshape(sequences, -1, E).astype(dtype)
+    probs = balance_probs(routing.probs, scoring).reshape(sequences, -1, E).astype(dtype)
     return jnp.sum(chosen, axis=1), jnp.sum(probs, axis=1)
 
 
@@ -154,9 +154,9 @@ def sequence_balance_loss(counts, prob_sums, *, tokens: int, top_k: int):
     return E * jnp.sum(counts / (tokens * top_k) * (prob_sums / tokens), axis=-1)
 
 
-def load_balancing_loss(routing: Routing, *, kind: str = "softmax"):
+def load_balancing_loss(routing: Routing, *, scoring: str = "softmax"):
     """Switch/GShard auxiliary loss E * sum_e f_e P_e over all the tokens, as one group
     (1 when balanced)."""
     t, k = routing.experts.shape
-    counts, prob_sums = sequence_sums(routing, sequences=1, kind=kind)
+    counts, prob_sums = sequence_sums(routing, sequences=1, scoring=scoring)
     return sequence_balance_loss(counts, prob_sums, tokens=t, top_k=k)[0]

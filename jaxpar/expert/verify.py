@@ -75,7 +75,7 @@ def reference_capacity(tokens: int, top_k: int, n_experts: int, capacity_factor)
 
 
 def reference_capacity_moe(p: dict, x, *, top_k: int, groups: int, capacity: int, drop: str,
-                           kind: str = "gelu", renormalize: bool = True):
+                           mlp: str = "gelu", renormalize: bool = True):
     """reference.moe with ep_moe's drop rule: the tokens x [B, T, D] are cut into `groups`
     (one per device, in device order) and, in each group, expert e takes at most
     `capacity` of its assignments. Every expert still runs on every token (dense)."""
@@ -94,7 +94,7 @@ def reference_capacity_moe(p: dict, x, *, top_k: int, groups: int, capacity: int
     gates = jax.vmap(one)(xs).reshape(B * T, E)
     tokens = x.reshape(B * T, D)
     every = jax.vmap(lambda e: reference.mlp({n: p[n][e] for n in ("w_up", "w_gate", "w_down") if n in p},
-                                             tokens, kind=kind))(jnp.arange(E))           # [E, BT, D]
+                                             tokens, mlp=mlp))(jnp.arange(E))           # [E, BT, D]
     return jnp.einsum("te,etd->td", gates, every).reshape(B, T, D)
 
 
@@ -125,10 +125,10 @@ def run_moe(cfg: reference.ModelConfig, mesh, *, batch_size: int, seq_len: int =
     dp, ep = mesh_lib.axis_size(mesh, DP), mesh_lib.axis_size(mesh, EP)
     C = reference_capacity(batch_size * seq_len // (dp * ep), cfg.top_k, cfg.n_experts, capacity_factor)
     if capacity_factor is None:
-        ref_fn = lambda p, x: reference.moe(p, x, top_k=cfg.top_k, kind=cfg.mlp, renormalize=cfg.moe_renormalize)
+        ref_fn = lambda p, x: reference.moe(p, x, top_k=cfg.top_k, mlp=cfg.mlp, renormalize=cfg.moe_renormalize)
     else:
         ref_fn = functools.partial(reference_capacity_moe, top_k=cfg.top_k, groups=dp * ep, capacity=C,
-                                   drop=drop, kind=cfg.mlp, renormalize=cfg.moe_renormalize)
+                                   drop=drop, mlp=cfg.mlp, renormalize=cfg.moe_renormalize)
     ref = _reference_step(ref_fn)(p, x, dy)
     kw = dict(cfg=cfg, batch_size=batch_size, seq_len=seq_len, dtype=dtype, dp=dp, ep=ep,
               capacity_factor=capacity_factor)

@@ -146,7 +146,7 @@ def moe_balance(y, p: dict, routing: router.Routing, *, cfg: reference.ModelConf
     layer, on tp rank 0) and the statistics (into p[STATS], when there) attached to its
     backward."""
     cp, tp = sizes[CP], sizes[TP]
-    counts, prob_sums = router.sequence_sums(routing, sequences=sequences, kind=cfg.router)   # [s, E] each
+    counts, prob_sums = router.sequence_sums(routing, sequences=sequences, scoring=cfg.router)   # [s, E] each
     on_tp0 = _first(TP, tp, counts.dtype)
     aux_sum = jnp.zeros((), counts.dtype)
     if cfg.aux_loss:

@@ -163,10 +163,10 @@ def _moe(p, z, *, cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int, 
     B, T, D = zg.shape
     experts = {k: p[k] for k in ("router", "w_up", "w_gate", "w_down") if k in p}
     x = zg.reshape(B * T, D)
-    r = route(p["router"], x, top_k=cfg.top_k, kind=cfg.router, renormalize=cfg.moe_renormalize,
+    r = route(p["router"], x, top_k=cfg.top_k, scoring=cfg.router, renormalize=cfg.moe_renormalize,
               bias=p.get("router_bias"))
     y, _, _ = ep_moe_shard(experts, x, axis=EP if spec.ep > 1 else None, top_k=cfg.top_k, capacity_factor=None,
-                           kind=cfg.mlp, routing=r)
+                           mlp=cfg.mlp, routing=r)
     if balance.enabled(cfg):
         y = balance.moe_balance(y, p, r, cfg=cfg, sizes=spec.sizes, sequences=B, seq_len=seq_len,
                                 batch_size=batch_size)

@@ -39,8 +39,8 @@ def _call(params=None, x=None, cfg=None, mesh=None, **kw):
     (dict(mesh=mesh_lib.make_mesh(dp=8)), "needs a mesh with a 'ep' axis"),
     (dict(cfg=reference.ModelConfig(n_layers=1, d_model=16, d_ff=32)), "n_experts=0 is a dense MLP"),
     (dict(cfg={"n_experts": 8}), "cfg is a dict: give a reference.ModelConfig"),
-    (dict(router_kind="relu"), "router_kind='relu'"),
-    (dict(router_kind="sigmoid", bias=jnp.zeros(4)), r"bias has shape \(4,\).*\[8\]"),
+    (dict(scoring="relu"), "scoring='relu'"),
+    (dict(scoring="sigmoid", bias=jnp.zeros(4)), r"bias has shape \(4,\).*\[8\]"),
 ])
 def test_ep_moe_refuses(kw, words):
     with pytest.raises(ConfigError, match=words):
@@ -56,10 +56,10 @@ def test_top_k_out_of_range_is_refused():
         reference.ModelConfig(n_experts=8, top_k=9)
 
 
-def test_router_kinds_and_bias():
-    with pytest.raises(ConfigError, match="kind='topk'"):
-        router.route(jnp.zeros((16, 8)), jnp.zeros((4, 16)), top_k=2, kind="topk")
-    with pytest.raises(ConfigError, match="goes with kind='sigmoid'"):
+def test_router_scorings_and_bias():
+    with pytest.raises(ConfigError, match="scoring='topk'"):
+        router.route(jnp.zeros((16, 8)), jnp.zeros((4, 16)), top_k=2, scoring="topk")
+    with pytest.raises(ConfigError, match="goes with scoring='sigmoid'"):
         router.route(jnp.zeros((16, 8)), jnp.zeros((4, 16)), top_k=2, bias=jnp.zeros(8))
     with pytest.raises(ConfigError, match="rate=0"):
         router.update_bias(jnp.zeros(8), jnp.zeros(8), rate=0)

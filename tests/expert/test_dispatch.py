@@ -169,7 +169,7 @@ def test_sigmoid_router_with_selection_bias_matches_its_dense_reference():
     x = jnp.asarray(rng.standard_normal((8, 4, 16)), jnp.float32)
     dy = jnp.asarray(rng.standard_normal((8, 4, 16)), jnp.float32)
     bias = jnp.asarray(rng.standard_normal(8), jnp.float32)
-    sharded = jax.jit(lambda p, x: dispatch.ep_moe(p, x, mesh=m, cfg=cfg, router_kind="sigmoid", bias=bias))
+    sharded = jax.jit(lambda p, x: dispatch.ep_moe(p, x, mesh=m, cfg=cfg, scoring="sigmoid", bias=bias))
     dense = lambda p, x: sigmoid_moe(p, x.reshape(32, 16), bias=bias, top_k=2).reshape(8, 4, 16)
     y, vjp, stats = jax.vjp(sharded, p, x, has_aux=True)
     y_ref, vjp_ref = jax.vjp(dense, p, x)

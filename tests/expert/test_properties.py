@@ -1,5 +1,5 @@
 """Property test: ep_moe equals its reference (reference.moe dropless, the dense drop rule
-with a capacity) for drawn (E, k, ep, dp, tokens, skew, capacity, drop rule, MLP kind), and
+with a capacity) for drawn (E, k, ep, dp, tokens, skew, capacity, drop rule, mlp), and
 its collectives equal the formula. Each example compiles a forward, a backward and the
 reference, so few are drawn."""
 

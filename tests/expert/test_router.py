@@ -31,20 +31,20 @@ def test_softmax_top_k_gates_equal_the_reference(k, renormalize):
 def test_sigmoid_router_chooses_by_score_plus_bias_and_weighs_by_score():
     x, w = _x_router()
     bias = jnp.zeros(8).at[7].set(100.0)             # expert 7 always chosen, whatever its score
-    r = router.route(w, x, top_k=2, kind="sigmoid", bias=bias)
+    r = router.route(w, x, top_k=2, scoring="sigmoid", bias=bias)
     assert np.all(np.asarray(r.experts)[:, 0] == 7)
     scores = jax.nn.sigmoid(x @ w)
     chosen = jnp.take_along_axis(scores, r.experts, axis=1)
     assert_close(r.weights, chosen / chosen.sum(axis=1, keepdims=True))
     # the bias gets no gradient: it only chooses
-    g = jax.grad(lambda b: router.route(w, x, top_k=2, kind="sigmoid", bias=b).weights.sum())(bias)
+    g = jax.grad(lambda b: router.route(w, x, top_k=2, scoring="sigmoid", bias=b).weights.sum())(bias)
     assert np.all(np.asarray(g) == 0)
 
 
 def test_bias_update_moves_load_toward_the_mean():
     x, w = _x_router(t=512, seed=1)
     w = w.at[:, 0].add(3.0)                          # expert 0 hot
-    step = jax.jit(lambda bias: router.expert_load(router.route(w, x, top_k=2, kind="sigmoid", bias=bias).experts, 8))
+    step = jax.jit(lambda bias: router.expert_load(router.route(w, x, top_k=2, scoring="sigmoid", bias=bias).experts, 8))
     bias, loads = jnp.zeros(8), []
     for _ in range(300):
         loads.append(np.asarray(step(bias)))

@@ -125,19 +125,19 @@ def test_the_balance_loss_is_1_balanced_and_grows_unbalanced():
     assert float(reference.balance_loss(hot, chosen([0, 0, 0, 0]), top_k=k)[0]) == pytest.approx(4 * 0.7)
     # sigmoid scores are normalised first: equal scores are balanced, whatever their size
     assert float(reference.balance_loss(jnp.full((1, 4, E), 0.9), chosen([0, 1, 2, 3]), top_k=k,
-                                        kind="sigmoid")[0]) == pytest.approx(1.0)
+                                        scoring="sigmoid")[0]) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("kind", ["softmax", "sigmoid"])
-def test_the_router_halves_equal_the_reference_per_sequence(kind):
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_the_router_halves_equal_the_reference_per_sequence(scoring):
     w = jax.random.normal(jax.random.key(0), (16, 8)) / 4
     x = jax.random.normal(jax.random.key(1), (3, 10, 16))                             # 3 sequences of 10
-    _, chosen, scores = reference.router_choice(w, x, top_k=2, kind=kind)
-    want = reference.balance_loss(scores, chosen, top_k=2, kind=kind)
-    r = router.route(w, x.reshape(30, 16), top_k=2, kind=kind)
-    counts, prob_sums = router.sequence_sums(r, sequences=3, kind=kind)
-    halves = [router.sequence_sums(router.route(w, x[:, h].reshape(15, 16), top_k=2, kind=kind), sequences=3,
-                                   kind=kind) for h in (slice(0, 5), slice(5, 10))]   # split as over cp=2
+    _, chosen, scores = reference.router_choice(w, x, top_k=2, scoring=scoring)
+    want = reference.balance_loss(scores, chosen, top_k=2, scoring=scoring)
+    r = router.route(w, x.reshape(30, 16), top_k=2, scoring=scoring)
+    counts, prob_sums = router.sequence_sums(r, sequences=3, scoring=scoring)
+    halves = [router.sequence_sums(router.route(w, x[:, h].reshape(15, 16), top_k=2, scoring=scoring), sequences=3,
+                                   scoring=scoring) for h in (slice(0, 5), slice(5, 10))]   # split as over cp=2
     np.testing.assert_allclose(router.sequence_balance_loss(counts, prob_sums, tokens=10, top_k=2), want, rtol=1e-6)
     summed = [a + b for a, b in zip(*halves)]
     np.testing.assert_allclose(router.sequence_balance_loss(*summed, tokens=10, top_k=2), want, rtol=1e-6)

@@ -47,7 +47,7 @@ from jaxpar.train.spec import ParallelSpec
 
 
 def split(tree: dict) -> dict:
-    """reference.init_params's structure (params, their gradients or specs) -> {"blocks",
+    """reference.init_params's structure (params, their gradients or pspecs) -> {"blocks",
     "first": {"embed"}, "last": {"final_norm", "unembed"}}: what the pipeline's stages
     own, the first stage the embedding, the last the LM head (blocks still [L, ...])."""
     return {"blocks": tree["blocks"], "first": {"embed": tree["embed"]},
@@ -92,10 +92,10 @@ def partition_specs(cfg: reference.ModelConfig, tp: int = 2) -> dict:
     return nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model, nnx.Param)))
 
 
-def specs(cfg: reference.ModelConfig, spec: ParallelSpec) -> tuple[dict, dict, dict]:
-    """(one layer's PartitionSpecs over the non-pp axes, first-stage specs, last-stage
-    specs) for the trainer: the model's metadata (`partition_specs`) split by stage, the
-    layers' pp dimension dropped, axes of one device left out."""
+def stage_pspecs(cfg: reference.ModelConfig, spec: ParallelSpec) -> tuple[dict, dict, dict]:
+    """(one layer's PartitionSpecs over the non-pp axes, the first stage's pspecs, the last
+    stage's pspecs) for the trainer on `spec`: the model's metadata (`partition_specs`)
+    split by stage, the layers' pp dimension dropped, axes of one device left out."""
     sizes = spec.sizes
     keep = lambda names: P(*(n if n is not None and sizes.get(n, 1) > 1 else None for n in names))
     parts = split(partition_specs(cfg, spec.tp))

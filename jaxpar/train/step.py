@@ -1,4 +1,4 @@
-"""ONE jitted training step: one shard_map over every axis (DESIGN.md "Composition").
+"""ONE jitted training step: one shard_map over every axis (docs/train.md).
 
     trainer = Trainer(cfg, ParallelSpec(dp=2, pp=2, tp=2, microbatches=2), OptimConfig(),
                       batch_size=8, seq_len=16)
@@ -52,7 +52,9 @@ from jaxpar.train import optim as optim_lib
 from jaxpar.train.spec import ParallelSpec
 
 
-_BUILT: dict = {}     # request -> the Trainer that built its step (an LRU of 16, as jax.jit keeps one per signature)
+# request -> the Trainer that built its step, as jax.jit keeps one per signature: the last 16
+# built, the oldest dropped first (a hit does not renew an entry)
+_BUILT: dict = {}
 
 
 class TrainState(NamedTuple):
@@ -61,10 +63,10 @@ class TrainState(NamedTuple):
     opt: Any               # optax AdamW state, mu and nu laid out as params (ZeRO-1: also split over dp)
 
 
-def _with_unit(spec: P) -> P:
-    """spec with pp (of size 1) added to its first dimension."""
-    e = spec[0] if len(spec) else None
-    return P(PP if e is None else (*(e if isinstance(e, tuple) else (e,)), PP), *spec[1:])
+def _with_unit(pspec: P) -> P:
+    """pspec with pp (of size 1) added to its first dimension."""
+    e = pspec[0] if len(pspec) else None
+    return P(PP if e is None else (*(e if isinstance(e, tuple) else (e,)), PP), *pspec[1:])
 
 
 @dataclasses.dataclass(eq=False)
@@ -104,7 +106,7 @@ class Trainer:
         self.mesh = spec.mesh(devices)
         self.schedule = spec.make_schedule()
         stage_fn, first_fn, loss_fn = model_lib.shard_fns(cfg, spec, self.seq_len, self.batch_size)
-        layer_specs, first_specs, last_specs = model_lib.specs(cfg, spec)
+        layer_pspecs, first_pspecs, last_pspecs = model_lib.stage_pspecs(cfg, spec)
         shapes = model_lib.split(jax.eval_shape(lambda: reference.init_params(jax.random.key(0), cfg, self.dtype)))
         ids = jax.ShapeDtypeStruct((self.batch_size, self.seq_len), jnp.int32)
         row_axes = tuple(a for a in (DP, EP) if spec.sizes[a] > 1)
@@ -112,9 +114,9 @@ class Trainer:
                        CP if spec.cp > 1 else None)
         self.local = runtime.local(
             self.schedule, stage_fn, shapes["blocks"], (ids, ids), mesh=self.mesh, loss_fn=loss_fn,
-            recompute=spec.recompute, input_grads=False, param_specs=layer_specs, batch_spec=batch_spec,
-            first_fn=first_fn, first_params=shapes["first"], first_specs=first_specs, last_params=shapes["last"],
-            last_specs=last_specs)
+            recompute=spec.recompute, input_grads=False, param_specs=layer_pspecs, batch_spec=batch_spec,
+            first_fn=first_fn, first_params=shapes["first"], first_specs=first_pspecs, last_params=shapes["last"],
+            last_specs=last_pspecs)
         req = self.local.request
         self.batch_spec = req.in_spec
         # over pp of one device the program's values still vary over pp (a psum over a group
@@ -164,11 +166,11 @@ class Trainer:
         stats_axes = batch_axes + ((TP,) if tp > 1 else ())
         shards = math.prod(self.mesh.shape[a] for a in batch_axes)
 
-        def reduce(grads, specs, dims, extra):
+        def reduce(grads, pspecs, dims, extra):
             """Data parallelism's one reduction (under ZeRO-1 its dp part a reduce-scatter)."""
             if sharded_state:
-                return zero.reduce_scatter_gradients(grads, specs, dims, batch_axes=batch_axes, extra=extra)
-            return reduce_gradients(grads, specs, batch_axes=batch_axes, extra=extra)
+                return zero.reduce_scatter_gradients(grads, pspecs, dims, batch_axes=batch_axes, extra=extra)
+            return reduce_gradients(grads, pspecs, batch_axes=batch_axes, extra=extra)
 
         def per_device(state, inputs, targets):
             params = state.params

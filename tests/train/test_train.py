@@ -74,7 +74,7 @@ def test_the_nnx_model_holds_the_reference_params_and_their_partitioning():
         np.testing.assert_array_equal(flat[path][...], a)
     merged = nnx.merge(graphdef, state)
     chex.assert_trees_all_equal(merged.params(), params)
-    specs = nnx.get_partition_spec(state)
+    pspecs = nnx.get_partition_spec(state)
     tp_cols, tp_rows = P("pp", None, "tp", None), P("pp", "tp", None, None)
     expected = {"embed": P("tp", None), "final_norm": P(None), "unembed": P(None, "tp"),
                 "blocks": {"attn_norm": P("pp", None), "mlp_norm": P("pp", None),
@@ -82,25 +82,25 @@ def test_the_nnx_model_holds_the_reference_params_and_their_partitioning():
                            "router": P("pp", None, None),                                # [L, D, E] replicated
                            "w_up": P("pp", "ep", None, "tp"), "w_gate": P("pp", "ep", None, "tp"),  # [L, E, D, F]
                            "w_down": P("pp", "ep", "tp", None)}}                          # [L, E, F, D]
-    got = {k: v.get_value() for k, v in specs.items() if k != "blocks"} | {
-        "blocks": {k: v.get_value() for k, v in specs["blocks"].items()}}
+    got = {k: v.get_value() for k, v in pspecs.items() if k != "blocks"} | {
+        "blocks": {k: v.get_value() for k, v in pspecs["blocks"].items()}}
     assert got == expected
 
 
 def test_the_trainer_reads_its_specs_from_the_models_metadata():
-    """model.specs: the NNX metadata split by stage, the layers' pp dimension dropped, axes
+    """model.stage_pspecs: the NNX metadata split by stage, the layers' pp dimension dropped, axes
     of one device left out (MOE on ep2 x tp2: K=2 heads split; tp1: nothing over tp)."""
     cfg = verify.MOE
-    layer, first, last = model.specs(cfg, ParallelSpec(ep=2, tp=2))
+    layer, first, last = model.stage_pspecs(cfg, ParallelSpec(ep=2, tp=2))
     assert layer == {"attn_norm": P(None), "mlp_norm": P(None), "wq": P(None, "tp", None), "wk": P(None, "tp", None),
                      "wv": P(None, "tp", None), "wo": P("tp", None, None), "router": P(None, None),
                      "w_up": P("ep", None, "tp"), "w_gate": P("ep", None, "tp"), "w_down": P("ep", "tp", None)}
     assert first == {"embed": P("tp", None)} and last == {"final_norm": P(None), "unembed": P(None, "tp")}
-    layer, first, _ = model.specs(cfg, ParallelSpec(pp=2, ep=2))
+    layer, first, _ = model.stage_pspecs(cfg, ParallelSpec(pp=2, ep=2))
     assert layer["w_down"] == P("ep", None, None) and layer["wq"] == P(None, None, None)
     assert first == {"embed": P(None, None)}
-    nnx_specs = model.partition_specs(cfg, 2)
-    assert model.join(model.split(nnx_specs)) == nnx_specs
+    nnx_pspecs = model.partition_specs(cfg, 2)
+    assert model.join(model.split(nnx_pspecs)) == nnx_pspecs
 
 
 def test_batches_are_a_function_of_the_step():

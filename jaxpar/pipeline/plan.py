@@ -273,8 +273,8 @@ def _allocate_slots(s: Schedule, at: dict, deliveries: list[Delivery]) -> Slots:
     where, counts = {}, {"x": 0, "g": 0, "res": 0}
     for buffer in ("x", "g"):
         for d in range(s.stages):
-            slot, n = _allocate([(v.arrives, v.consumed, v.key) for v in deliveries
-                                 if v.device == d and v.buffer == buffer])
+            slot, n = _allocate([(delivery.arrives, delivery.consumed, delivery.key) for delivery in deliveries
+                                 if delivery.device == d and delivery.buffer == buffer])
             where.update({(d, buffer, key): j for key, j in slot.items()})
             counts[buffer] = max(counts[buffer], n)
     freed_by = "W" if s.split_backward else "B"
@@ -313,8 +313,9 @@ def _write_table(s: Schedule, at: dict, deliveries: list[Delivery], slots: Slots
                     _set(row, gw_write=res)
                 if k == 0:
                     _set(row, dx_write=i)
-    for v in deliveries:
-        table[v.arrives, v.device, FIELDS[v.field]] = slots.where[v.device, v.buffer, v.key]
+    for delivery in deliveries:
+        table[delivery.arrives, delivery.device, FIELDS[delivery.field]] = \
+            slots.where[delivery.device, delivery.buffer, delivery.key]
     return table
 
 

@@ -352,8 +352,8 @@ class _Step:
         for j, (lane, direction) in enumerate(plan.sends):
             with jax.named_scope(plan_lib.scope(lane, direction)):
                 received = jax.lax.cond(
-                    flags[j], lambda v, p=plan.pairs[lane, direction]: jax.lax.ppermute(v, PP, p),
-                    lambda v: v, outs[lane])
+                    flags[j], lambda value, pairs=plan.pairs[lane, direction]: jax.lax.ppermute(value, PP, pairs),
+                    lambda value: value, outs[lane])
             carry = self._land(carry, row, lane, direction, received)
         for lane in LANES:
             carry = self._land(carry, row, lane, None, outs[lane])

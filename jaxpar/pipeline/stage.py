@@ -95,26 +95,26 @@ def spec_axes(spec) -> set[str]:
 
 def to_stages(params, schedule: Schedule):
     """[L, ...] leaves -> [p, v, L/(p v), ...]: entry [d, c] holds stage stage_of(d, c)."""
-    p, v = schedule.stages, schedule.chunks
+    p, chunks = schedule.stages, schedule.chunks
     for a in jax.tree.leaves(params):
-        if not getattr(a, "ndim", 0) or a.shape[0] % (p * v):
+        if not getattr(a, "ndim", 0) or a.shape[0] % (p * chunks):
             raise ConfigError(f"a params leaf of shape {tuple(getattr(a, 'shape', ()))} does not split into "
-                              f"p*v = {p}*{v} = {p * v} stages on its leading (layer) axis")
-    order = np.array([[schedule.stage_of(d, c) for c in range(v)] for d in range(p)])
+                              f"p*v = {p}*{chunks} = {p * chunks} stages on its leading (layer) axis")
+    order = np.array([[schedule.stage_of(d, c) for c in range(chunks)] for d in range(p)])
 
     def one(a):
-        a = a.reshape(p * v, a.shape[0] // (p * v), *a.shape[1:])
-        return a[order.reshape(-1)].reshape(p, v, *a.shape[1:])
+        a = a.reshape(p * chunks, a.shape[0] // (p * chunks), *a.shape[1:])
+        return a[order.reshape(-1)].reshape(p, chunks, *a.shape[1:])
     return jax.tree.map(one, params)
 
 
 def from_stages(params, schedule: Schedule):
     """Inverse of to_stages: [p, v, L/(p v), ...] -> [L, ...]."""
-    p, v = schedule.stages, schedule.chunks
-    inverse = np.argsort([schedule.stage_of(d, c) for d in range(p) for c in range(v)])
+    p, chunks = schedule.stages, schedule.chunks
+    inverse = np.argsort([schedule.stage_of(d, c) for d in range(p) for c in range(chunks)])
 
     def one(a):
-        a = a.reshape(p * v, *a.shape[2:])[inverse]
+        a = a.reshape(p * chunks, *a.shape[2:])[inverse]
         return a.reshape(-1, *a.shape[2:])
     return jax.tree.map(one, params)
 

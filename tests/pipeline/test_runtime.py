@@ -385,7 +385,7 @@ def test_batch_not_divisible_by_dp_x_microbatches(no_compile):
 
 
 def test_schedule_for_another_p(no_compile):
-    with pytest.raises(ValueError, match=r"built for p=2 stages but the mesh has pp=4"):
+    with pytest.raises(ValueError, match=r"built for p=2 devices but the mesh has pp=4"):
         _bad_run(p=2, mesh=pp_mesh(4))
 
 

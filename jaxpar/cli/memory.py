@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sp", action="store_true", help="sequence parallelism with tp")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size")
     parser.add_argument("--recompute", default="none", choices=A.RECOMPUTE)
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages, for the first stage's total")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size pp (devices), for the first stage's total")
     parser.add_argument("--schedule", default=orders.DEFAULT, help=f"one of: {', '.join(orders.REGISTRY)}")
     parser.add_argument("--microbatches", type=int, default=1, help="microbatches m per pipeline")
     parser.add_argument("--chunks", type=int, default=1, help="chunks per device (interleaved)")

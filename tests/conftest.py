@@ -5,6 +5,7 @@ one kind); the GPU checks are `jaxpar tour` and the benchmarks (benchmarks/all_b
 """
 
 import os
+import signal
 
 # Before JAX starts: the tests' programs are small, so compiling them costs far more than
 # running them, and LLVM's optimisation of the generated CPU code is most of the compile
@@ -30,3 +31,14 @@ def x64():
     """Run the test body with float64 enabled (jax_enable_x64), restoring it after."""
     with jax.enable_x64(True):
         yield
+
+
+@pytest.fixture
+def python_ctrl_c():
+    """Python's own SIGINT handler (KeyboardInterrupt) for the test body, as a command line
+    starts with, whatever an earlier test in this worker process left installed; restored after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

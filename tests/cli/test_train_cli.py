@@ -86,7 +86,7 @@ def test_a_bad_checkpoint_directory_exits_at_once_in_one_line(tmp_path):
     assert last.startswith(f"jaxpar train: error: checkpoint step 5 in {tmp_path / 'c'} is refused"), err
 
 
-def test_ctrl_c_mid_run_is_one_line_and_closes_the_checkpoints_after_their_save(capsys, tmp_path, monkeypatch):
+def test_ctrl_c_mid_run_is_one_line_and_closes_the_checkpoints_after_their_save(capsys, tmp_path, monkeypatch, python_ctrl_c):
     from jaxpar.train.checkpoint import Checkpoints
 
     maybe_save = Checkpoints.maybe_save

@@ -159,7 +159,7 @@ def test_a_checkpoint_directory_this_user_cannot_write_is_refused(tmp_path):
             Checkpoints(place)
 
 
-def test_ctrl_c_during_a_save_is_delivered_once_orbax_has_the_save():
+def test_ctrl_c_during_a_save_is_delivered_once_orbax_has_the_save(python_ctrl_c):
     reached = []
     with pytest.raises(KeyboardInterrupt):
         with checkpoint._ctrl_c_deferred():

@@ -42,3 +42,29 @@ def python_ctrl_c():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+# The longest tests first. `make test` runs two xdist workers with --dist worksteal: each
+# takes half of the ordered list and the one that finishes first takes half of what the
+# other still has. With the longest tests (a minute or more: drawn trainings, examples in
+# subprocesses, property tests) at the front, what is left to share at the end is short
+# tests, and the two workers finish together. Order within each group is kept (a module's
+# tests share compiled programs through module-level caches).
+LONGEST_FIRST = (
+    "tests/train/test_drawn.py",
+    "tests/test_examples.py",
+    "tests/context/test_properties.py",
+    "tests/expert/test_properties.py",
+    "tests/tensor/test_properties.py",
+    "tests/train/test_checkpoint.py::test_sigkill",
+    "tests/cli/test_train_cli.py",
+    "tests/train/test_train.py",
+    "tests/train/test_balance.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        return next((i for i, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)),
+                    len(LONGEST_FIRST))
+    items.sort(key=rank)     # stable: the collection order within a group

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxpar.collectives import varying
+from jaxpar.collectives import varying, varying_axes
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import PP
 from jaxpar.pipeline import plan as plan_lib
@@ -140,10 +140,10 @@ class Program:
         embedding's output varies over tp, the activations between stages then too)."""
         first_fn = self.request.first_fn
         if first_fn is None:
-            act, extra = jax.ShapeDtypeStruct(inputs.shape[1:], inputs.dtype), jax.typeof(inputs)
+            act, first_out = jax.ShapeDtypeStruct(inputs.shape[1:], inputs.dtype), inputs
         else:
-            act = extra = jax.eval_shape(first_fn, first_params, inputs[0])
-        extra = sorted(set(extra.manual_axis_type.varying) - set(self.axes))
+            act = first_out = jax.eval_shape(first_fn, first_params, inputs[0])
+        extra = sorted(set(varying_axes(first_out)) - set(self.axes))
         return act, (*self.axes, *extra)
 
     def __call__(self, params, inputs, targets, first_params=None, last_params=None):

@@ -30,9 +30,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import errors
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import DP, PP, axis_size, require_mesh
+from jaxpar.mesh import DP, PP, axis_size, pspec_axes, require_mesh
 from jaxpar.pipeline.schedule import Schedule
-from jaxpar.pipeline.stage import mse, spec_axes
+from jaxpar.pipeline.stage import mse
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -241,7 +241,7 @@ def _batch(batch, batch_spec, mesh, microbatches: int, first_fn, input_grads) ->
         raise ConfigError(f"batch of {rows} rows does not split into {over} x microbatches={microbatches}: "
                           f"use a batch divisible by {split * microbatches}, or another microbatch count")
     axes = tuple(a for a in mesh.axis_names if a != PP and axis_size(mesh, a) > 1
-                 and a in spec_axes(in_spec) | spec_axes(target_spec))
+                 and a in pspec_axes(in_spec) | pspec_axes(target_spec))
     one = lambda shape, a: jax.ShapeDtypeStruct((shape[0] // microbatches, *shape[1:]), jnp.result_type(a))
     return _Batch(in_spec=in_spec, target_spec=target_spec, axes=axes, input_grads=_input_grads(input_grads, inputs),
                   local=dict(inputs=one(local_in, inputs), targets=one(local_t, targets)))

@@ -85,14 +85,6 @@ def from_microbatches(a):
 
 # ---- the layout of the layers over the stages ---------------------------------------------
 
-def spec_axes(spec) -> set[str]:
-    """The mesh axes a PartitionSpec names."""
-    out = set()
-    for entry in spec or ():
-        out.update(entry if isinstance(entry, tuple) else () if entry is None else (entry,))
-    return out
-
-
 def to_stages(params, schedule: Schedule):
     """[L, ...] leaves -> [p, v, L/(p v), ...]: entry [d, c] holds stage stage_of(d, c)."""
     p, chunks = schedule.stages, schedule.chunks

@@ -55,6 +55,8 @@ from jaxpar.train.spec import ParallelSpec
 # request -> the Trainer that built its step, as jax.jit keeps one per signature: the last 16
 # built, the oldest dropped first (a hit does not renew an entry)
 _BUILT: dict = {}
+# (cfg, optim) -> reference_trainer's (tx, jitted step); a handful of configs per process
+_REFERENCE: dict = {}
 
 
 class TrainState(NamedTuple):
@@ -223,12 +225,15 @@ class Trainer:
     def from_canonical(self, params: dict, opt=None, step=0) -> TrainState:
         """A state on this mesh from reference-structured params (and an optimizer state in
         the canonical layout, `canonical`'s second output; None: a fresh one)."""
-        def build(params, opt, step):
-            staged = self._staged(model_lib.split(params))
-            opt = self.tx.init(staged) if opt is None else self._opt_map(opt, lambda a, k: to_stages(
-                a, self.schedule) if k else a)
-            return TrainState(step=jnp.asarray(step, jnp.int32), params=staged, opt=opt)
-        return jax.jit(build, out_shardings=self.shardings)(params, opt, step)
+        if "from_canonical" not in self._cache:      # one jit per request: its compiled programs are kept
+            self._cache["from_canonical"] = jax.jit(self._build_state, out_shardings=self.shardings)
+        return self._cache["from_canonical"](params, opt, step)
+
+    def _build_state(self, params, opt, step) -> TrainState:
+        staged = self._staged(model_lib.split(params))
+        opt = self.tx.init(staged) if opt is None else self._opt_map(opt, lambda a, k: to_stages(
+            a, self.schedule) if k else a)
+        return TrainState(step=jnp.asarray(step, jnp.int32), params=staged, opt=opt)
 
     def _unstage(self, state: TrainState):
         params = model_lib.join({**state.params, "blocks": from_stages(state.params["blocks"], self.schedule)})
@@ -238,7 +243,9 @@ class Trainer:
     def canonical(self, state: TrainState) -> tuple[dict, Any, jax.Array]:
         """(params as reference.init_params, optimizer state with mu/nu in that layout,
         step): the same numbers on any mesh, replicated."""
-        return jax.jit(self._unstage, out_shardings=NamedSharding(self.mesh, P()))(state)
+        if "canonical" not in self._cache:           # one jit per request: its compiled programs are kept
+            self._cache["canonical"] = jax.jit(self._unstage, out_shardings=NamedSharding(self.mesh, P()))
+        return self._cache["canonical"](state)
 
     def canonical_abstract(self):
         """The shapes and dtypes `canonical` returns."""
@@ -291,14 +298,22 @@ class Trainer:
 
 def reference_trainer(cfg: reference.ModelConfig, optim: optim_lib.OptimConfig):
     """The unsharded step the parity tests compare against: (params, opt, tokens) ->
-    (params, opt, loss, norm), reference.loss with optax.global_norm and the same AdamW;
-    the router bias, if any, moved by the whole batch's load (`balance.update_bias`)."""
+    (params, opt, loss, norm), reference.loss with optax.tree.norm and the same AdamW;
+    the router bias, if any, moved by the whole batch's load (`balance.update_bias`). One
+    (tx, step) per (cfg, optim): the step's compiled programs are shared by every caller."""
+    key = (cfg, optim)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _reference_step(cfg, optim)
+    return _REFERENCE[key]
+
+
+def _reference_step(cfg: reference.ModelConfig, optim: optim_lib.OptimConfig):
     tx = optim.transform()
 
     @jax.jit
     def step(params, opt, tokens):
         (loss, terms), grads = jax.value_and_grad(reference.loss_and_balance, has_aux=True)(params, tokens, cfg)
-        norm = optax.global_norm(grads)
+        norm = optax.tree.norm(grads)
         updates, opt = tx.update(optim_lib.clip(grads, norm, optim.clip), opt, params)
         new = balance.update_bias(optax.apply_updates(params, updates), params, terms["load"], cfg)
         return new, opt, loss, norm

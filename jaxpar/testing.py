@@ -82,15 +82,32 @@ def compiled_collectives(compiled, runs=None) -> comms.Collectives:
     return comms.nonzero(comms.summarize(comms.resolve(ops, runs) if runs else ops))
 
 
+def _apply_vjp(vjp, ct):
+    """The backward program: the vjp function (a pytree of residuals) applied to ct."""
+    return vjp(ct)
+
+
 def fwd_bwd(fn: Callable, *args, ct):
     """fn(*args) and its gradients for cotangent ct, from two compiled programs (the
-    forward, and the backward alone: jit of the function jax.vjp returns), with the
-    collectives of each: ((out, grads), (forward Collectives, backward Collectives))."""
-    fwd = jax.jit(fn)
-    _, vjp = jax.vjp(fwd, *args)           # of the jitted fn: an eager shard_map costs seconds
-    fwd = fwd.lower(*args).compile()
-    bwd = jax.jit(lambda vjp, ct: vjp(ct)).lower(vjp, ct).compile()
-    return (fwd(*args), bwd(vjp, ct)), (compiled_collectives(fwd), compiled_collectives(bwd))
+    forward, which also returns the residuals the backward needs, and the backward alone:
+    jit of the function jax.vjp returns), with the collectives of each: ((out, grads),
+    (forward Collectives, backward Collectives)). The forward is jax.vjp(fn) under one
+    jit: the vjp function is a pytree (its residuals) that leaves the program, so the
+    forward compiles once; saving residuals adds outputs, not collectives."""
+    forward = jax.jit(functools.partial(jax.vjp, fn)).lower(*args).compile()
+    out, vjp = forward(*args)
+    backward = jax.jit(_apply_vjp).lower(vjp, ct).compile()
+    return (out, backward(vjp, ct)), (compiled_collectives(forward), compiled_collectives(backward))
+
+
+def value_and_grads(fn: Callable, *args, ct):
+    """(fn(*args), its gradients for cotangent ct) from ONE compiled program: jax.vjp run
+    eagerly compiles the linearized forward, then the backward, and an unjitted fn one
+    small program per operation."""
+    def step(args, ct):
+        out, vjp = jax.vjp(fn, *args)
+        return out, vjp(ct)
+    return jax.jit(step)(args, ct)
 
 
 @dataclasses.dataclass(kw_only=True)

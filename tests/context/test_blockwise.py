@@ -46,14 +46,23 @@ def test_merging_blocks_in_any_order_equals_attention_over_all_keys():
     rng = np.random.default_rng(0)
     q = _grouped(rng, 2, 5, 2, 3, 4)
     k, v = (_kv(rng, 2, 12, 2, 4) for _ in range(2))
-    parts = [blockwise.attend(q, k[:, :, a:b], v[:, :, a:b], scale=0.5) for a, b in ((0, 3), (3, 8), (8, 12))]
-    want = _dense(q, k, v)
-    for order in ((0, 1, 2), (2, 0, 1), (1, 2, 0)):
-        o, lse = parts[order[0]]
-        for i in order[1:]:
-            o, lse = blockwise.merge(o, lse, *parts[i])
+    orders = ((0, 1, 2), (2, 0, 1), (1, 2, 0))
+
+    @jax.jit   # one compile instead of one per operation
+    def merged_and_wanted(q, k, v):
+        parts = [blockwise.attend(q, k[:, :, a:b], v[:, :, a:b], scale=0.5) for a, b in ((0, 3), (3, 8), (8, 12))]
+        merged = []
+        for order in orders:
+            o, lse = parts[order[0]]
+            for i in order[1:]:
+                o, lse = blockwise.merge(o, lse, *parts[i])
+            merged.append((o, lse))
+        return merged, (_dense(q, k, v), jax.nn.logsumexp(jnp.einsum("bkgqh,bksh->bkgqs", q, k) / 2, axis=-1))
+
+    merged, (want, want_lse) = merged_and_wanted(q, k, v)
+    for o, lse in merged:
         assert_close(o, want)
-        assert_close(lse, jax.nn.logsumexp(jnp.einsum("bkgqh,bksh->bkgqs", q, k) / 2, axis=-1))
+        assert_close(lse, want_lse)
 
 
 def test_a_fully_masked_block_is_the_identity_of_merge_and_nothing_is_nan():
@@ -94,10 +103,15 @@ def test_block_backward_equals_autodiff(masked):
     k, v = (_kv(rng, 2, 6, 2, 4) for _ in range(2))
     do = _grouped(rng, 2, 6, 2, 2, 4)
     mask = blockwise.causal_mask(6, 6) if masked else None
-    o, vjp = jax.vjp(lambda q, k, v: _dense(q, k, v, mask), q, k, v)
-    _, lse = blockwise.attend(q, k, v, scale=0.5, mask=mask)
-    delta = jnp.sum(do * o, -1)
-    assert_close(blockwise.attend_backward(q, k, v, do, lse, delta, scale=0.5, mask=mask), vjp(do))
+
+    @jax.jit   # one compile instead of one per operation
+    def block_and_autodiff(q, k, v, do):
+        o, vjp = jax.vjp(lambda q, k, v: _dense(q, k, v, mask), q, k, v)
+        _, lse = blockwise.attend(q, k, v, scale=0.5, mask=mask)
+        delta = jnp.sum(do * o, -1)
+        return blockwise.attend_backward(q, k, v, do, lse, delta, scale=0.5, mask=mask), vjp(do)
+
+    assert_close(*block_and_autodiff(q, k, v, do))
 
 
 def test_grouped_layout_round_trips_and_matches_reference_heads():

@@ -13,7 +13,7 @@ from jaxpar import reference
 from jaxpar.context import zigzag
 from jaxpar.context import ulysses
 from jaxpar.context.verify import attention_inputs, run_attention
-from jaxpar.testing import assert_close, max_abs_diff
+from jaxpar.testing import assert_close, max_abs_diff, value_and_grads
 
 # (dp, cp, n_kv_heads, causal): K split over cp (K % cp == 0) or repeated (cp % K == 0)
 ULYSSES = [
@@ -65,10 +65,9 @@ def test_hybrid_matches_reference_and_formula(sizes, layout, kv, permute):
 def test_ulysses_matches_jax_dot_product_attention():
     m = mesh_lib.make_mesh(dp=2, cp=4)
     q, k, v, do = attention_inputs(4, 16, 8, 4, 4)
-    out, vjp = jax.vjp(jax.jit(lambda q, k, v: ulysses.ulysses_attention(q, k, v, mesh=m)), q, k, v)
-    want, want_vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), q, k, v)
-    assert_close(out, want)
-    assert_close(vjp(do), want_vjp(do))
+    got = value_and_grads(lambda q, k, v: ulysses.ulysses_attention(q, k, v, mesh=m), q, k, v, ct=do)
+    want = value_and_grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True), q, k, v, ct=do)
+    assert_close(got, want)
 
 
 @pytest.mark.parametrize("method, sizes", [("ulysses", dict(dp=2, cp=4)), ("hybrid", dict(dp=2, cp=2, ucp=2))])
@@ -87,10 +86,10 @@ def test_ulysses_on_a_zigzag_sequence_masks_by_true_position(cp, kv):
     m = mesh_lib.make_mesh(dp=8 // cp, cp=cp)
     q, k, v, do = attention_inputs(8 // cp, 4 * cp, 8, kv, 4)
     zz = lambda a: zigzag.to_layout(a, cp, "zigzag", axis=1)
-    run = jax.jit(lambda q, k, v: ulysses.ulysses_attention(q, k, v, mesh=m, layout="zigzag"))
-    out, vjp = jax.vjp(run, zz(q), zz(k), zz(v))
-    want, want_vjp = jax.vjp(lambda q, k, v: reference.attention(q, k, v, causal=True), q, k, v)
+    out, grads = value_and_grads(lambda q, k, v: ulysses.ulysses_attention(q, k, v, mesh=m, layout="zigzag"),
+                                 zz(q), zz(k), zz(v), ct=zz(do))
+    want, want_grads = value_and_grads(lambda q, k, v: reference.attention(q, k, v, causal=True), q, k, v, ct=do)
     assert_close(out, zz(want))
-    assert_close(vjp(zz(do)), tuple(zz(g) for g in want_vjp(do)))
+    assert_close(grads, tuple(zz(g) for g in want_grads))
     plain = jax.jit(lambda q, k, v: ulysses.ulysses_attention(q, k, v, mesh=m))(zz(q), zz(k), zz(v))
     assert max_abs_diff(plain, zz(want)) > 1e-3          # without the layout the mask is wrong

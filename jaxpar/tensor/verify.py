@@ -23,7 +23,7 @@ from jaxpar.tensor import formulas
 from jaxpar.tensor.block import tp_block
 from jaxpar.tensor.layers import row_split_gelu_error
 from jaxpar.tensor.vocab import vocab_parallel_embedding, vocab_parallel_lm_loss
-from jaxpar.testing import Result, Run, compare, compiled_collectives, fwd_bwd, join_notes
+from jaxpar.testing import Result, Run, compare, fwd_bwd, join_notes
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -52,19 +52,16 @@ def block_inputs(cfg: reference.ModelConfig, batch_size: int, seq_len: int, dtyp
 def run_block(cfg: reference.ModelConfig, mesh, *, sequence_parallel: bool, batch_size: int = 4,
               seq_len: int = 8, dtype=jnp.float32, seed: int = 0, collectives: bool = True) -> BlockRun:
     p, x, dy = block_inputs(cfg, batch_size, seq_len, dtype, seed)
-    # Compile once, run the compiled programs and read their HLO (no second compile).
-    fwd = jax.jit(lambda p, x: tp_block(p, x, mesh=mesh, cfg=cfg, sequence_parallel=sequence_parallel))
-    fwd_c = fwd.lower(p, x).compile()
-    y, vjp = jax.vjp(fwd, p, x)
-    bwd_c = jax.jit(lambda vjp, dy: vjp(dy)).lower(vjp, dy).compile()
-    out = (y, bwd_c(vjp, dy))
+    # Two compiled programs, run, their HLO read (no second compile of either).
+    out, (forward, backward) = fwd_bwd(
+        lambda p, x: tp_block(p, x, mesh=mesh, cfg=cfg, sequence_parallel=sequence_parallel), p, x, ct=dy)
     ref = _reference_step(cfg)(p, x, dy)
     kw = dict(cfg=cfg, batch_size=batch_size, seq_len=seq_len, dtype=dtype, dp=mesh_lib.axis_size(mesh, DP),
               tp=mesh_lib.axis_size(mesh, TP), sequence_parallel=sequence_parallel)
     return BlockRun(
         out=out, ref=ref,
-        forward=compiled_collectives(fwd_c) if collectives else Collectives(),
-        backward=compiled_collectives(bwd_c) if collectives else Collectives(),
+        forward=forward if collectives else Collectives(),
+        backward=backward if collectives else Collectives(),
         formula_forward=formulas.tp_block_collectives(**kw),
         formula_backward=formulas.tp_block_collectives(**kw, backward=True),
     )

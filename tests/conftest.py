@@ -6,15 +6,34 @@ one kind); the GPU checks are `jaxpar tour` and the benchmarks (benchmarks/all_b
 
 import os
 import signal
+import subprocess
+import sys
 
 # Before JAX starts: the tests' programs are small, so compiling them costs far more than
-# running them, and LLVM's optimisation of the generated CPU code is most of the compile
-# (about a third of the suite's CPU time at the default level). Level 0 skips it. It is a
-# backend flag: XLA's HLO passes (collective combining, scheduling, buffer assignment) run
-# as before, so the collectives and memory the tests count are the same programs'. The
-# worker processes the tests start inherit it; a level the user set is kept.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# running them, and code generation is most of the compile. Two backend flags cut it:
+#   --xla_backend_optimization_level=0   no LLVM optimisation of the generated CPU code
+#                                        (about a third of the suite's CPU time);
+#   --xla_cpu_use_fusion_emitters=false  XLA:CPU's older emitters for fused loops (about
+#                                        half of what was left on the MoE tests).
+# Both act after XLA's HLO passes (collective combining, scheduling, buffer assignment),
+# so the collectives and memory the tests count are the same programs' (`jaxpar verify
+# memory` reads the same bytes with and without them). A flag this jaxlib does not know
+# would abort XLA, so each is tried once in a small process first. The worker processes
+# the tests start inherit the result (examples in subprocesses too: tests/test_examples.py);
+# a flag the user set is kept.
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+
+
+def _xla_accepts(flag: str) -> bool:
+    probe = "import jax; jax.devices('cpu')"
+    env = os.environ | {"XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, timeout=120).returncode == 0
+
+
+for _flag in FAST_COMPILE:
+    _name = _flag.split("=")[0]
+    if _name not in os.environ.get("XLA_FLAGS", "") and _xla_accepts(_flag):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402

@@ -81,7 +81,7 @@ def clip(grads, norm, max_norm: float):
 
 
 def global_norm(grads):
-    """sqrt(sum of g^2 over the whole model). Outside shard_map: optax.global_norm. Inside:
+    """sqrt(sum of g^2 over the whole model). Outside shard_map: optax.tree.norm. Inside:
     each leaf's local sum of squares is summed over the axes the leaf varies over (its
     shards), so a weight copied on several devices is counted once."""
     total = 0.0

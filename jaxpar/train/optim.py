@@ -53,9 +53,30 @@ class OptimConfig:
             raise ConfigError(f"warmup={self.warmup} is longer than steps={self.steps}: use warmup <= steps")
 
     def schedule(self) -> optax.Schedule:
-        return optax.warmup_cosine_decay_schedule(
-            init_value=0.0, peak_value=self.lr, warmup_steps=self.warmup,
-            decay_steps=max(self.steps, self.warmup + 1), end_value=self.lr * self.final_ratio)
+        """The learning rate at a step count: optax.warmup_cosine_decay_schedule's rule and
+        operations (linear from 0 to lr over `warmup` steps, then cosine decay to
+        lr * final_ratio at `steps`), in JAX's default float dtype. optax computes the
+        warm-up in float32 always, so a float64 run's rate would carry float32 rounding,
+        and two programs that round one float32 division differently (XLA may emit it
+        either way) would train float64 models 1e-9 apart; here float32 runs get optax's
+        numbers bit for bit and float64 runs a float64 rate."""
+        lr, warmup = self.lr, self.warmup
+        decay_steps = max(self.steps, warmup + 1) - warmup
+        alpha = (lr * self.final_ratio) / lr                    # optax's end_value / init_value
+
+        def rate(count):
+            dtype = jnp.result_type(float)                      # float64 under jax_enable_x64
+            count = jnp.asarray(count)
+            since = jnp.minimum((count - warmup).astype(dtype), decay_steps)
+            cosine = 0.5 * (1 + jnp.cos(jnp.pi * since / decay_steps))
+            decayed = lr * ((1 - alpha) * cosine + alpha)
+            if not warmup:
+                return decayed
+            frac = jnp.clip(count, 0, warmup).astype(dtype) / jnp.asarray(warmup, dtype)
+            warming = -lr * (1 - frac) + lr
+            return jnp.where(count < warmup, warming, decayed).astype(dtype)
+
+        return rate
 
     def transform(self) -> optax.GradientTransformation:
         """optax.adamw with this schedule; weight decay on all but the norm gains."""

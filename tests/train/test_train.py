@@ -6,6 +6,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from hypothesis import given, settings
@@ -173,3 +174,34 @@ def test_problems_are_exactly_the_divisibility_rules(dp, pp, tp, cp, m, layers, 
     named = [[r for r in rules if msg.startswith(r)] for msg in got]
     assert all(len(n) == 1 for n in named), got
     assert sorted(n[0] for n in named) == sorted(r for r, broken in rules.items() if broken), got
+
+
+SCHEDULES = [OptimConfig(lr=1e-2, warmup=3, steps=20, clip=0.5), OptimConfig(), OptimConfig(lr=0.7, warmup=0, steps=9),
+             OptimConfig(lr=1e-3, warmup=5, steps=5, final_ratio=0.25)]
+
+
+def _optax_schedule(cfg):
+    return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup,
+                                              decay_steps=max(cfg.steps, cfg.warmup + 1),
+                                              end_value=cfg.lr * cfg.final_ratio)
+
+
+@pytest.mark.parametrize("cfg", SCHEDULES, ids=str)
+def test_the_learning_rate_is_optaxs_bit_for_bit_in_float32(cfg):
+    counts = jnp.arange(cfg.steps + 10, dtype=jnp.int32)
+    ours, theirs = jax.jit(jax.vmap(cfg.schedule()))(counts), jax.jit(jax.vmap(_optax_schedule(cfg)))(counts)
+    assert ours.dtype == theirs.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+@pytest.mark.parametrize("cfg", SCHEDULES, ids=str)
+def test_the_learning_rate_is_float64_under_x64(x64, cfg):
+    """optax's warm-up is float32 even under x64; ours is the same rule in float64."""
+    counts = np.arange(cfg.steps + 10)
+    ours = np.asarray(jax.jit(jax.vmap(cfg.schedule()))(jnp.asarray(counts, jnp.int32)))
+    assert ours.dtype == np.float64
+    warm = cfg.lr * np.minimum(counts, cfg.warmup) / max(cfg.warmup, 1)
+    decay = max(cfg.steps, cfg.warmup + 1) - cfg.warmup
+    cosine = 0.5 * (1 + np.cos(np.pi * np.minimum(counts - cfg.warmup, decay) / decay))
+    decayed = cfg.lr * ((1 - cfg.final_ratio) * cosine + cfg.final_ratio)
+    np.testing.assert_allclose(ours, np.where(counts < cfg.warmup, warm, decayed), rtol=1e-14, atol=1e-18)

@@ -7,7 +7,7 @@ under 60 s (a run, or a test of it, starts within a minute).
     python -m benchmarks.train
     python -m benchmarks.run train
 
-Side by side in one process: the unsharded step (reference.loss, optax.global_norm, the
+Side by side in one process: the unsharded step (reference.loss, optax.tree.norm, the
 same AdamW, one device) and the dp2 x pp2 x tp2 1F1B step on 8 devices, alternated so the
 load of a shared machine hits both alike. On fake CPU devices all 8 share the cores,
 so the ratio measures the overhead of the sharded program (pipeline bookkeeping,

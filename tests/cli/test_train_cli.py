@@ -102,7 +102,12 @@ def test_ctrl_c_mid_run_is_one_line_and_closes_the_checkpoints_after_their_save(
     code, out, err = run(capsys, *ZERO1, "--checkpoint", str(tmp_path / "c"), "--every", "2", "--out", str(tmp_path))
     assert code == 130 and out == "" and err == "jaxpar train: interrupted\n", err
     assert os.listdir(tmp_path / "c") == ["2"]            # complete: no orbax-checkpoint-tmp left
-    assert not [t for t in threading.enumerate() if t not in before and not t.daemon]   # orbax's threads ended
+    # orbax's threads end: none started by the run is left (each given up to 10 s to finish
+    # winding down, e.g. an asyncio executor's workers after its loop closed)
+    started = [t for t in threading.enumerate() if t not in before and not t.daemon]
+    for t in started:
+        t.join(timeout=10)
+    assert not [t for t in started if t.is_alive()], started
 
 
 @pytest.mark.parametrize("argv,piece", [

@@ -14,6 +14,7 @@ import argparse
 import pathlib
 
 from jaxpar.pipeline import schedule
+from jaxpar.pipeline.formulas import LECTURE_TIMELINES as LECTURE  # the lecture's timelines
 from jaxpar.pipeline.formulas import bubble
 from jaxpar.pipeline.viz import percent
 
@@ -32,19 +33,6 @@ print("  device 0's own order: " + ", ".join(f"{name(a)} at {t}" for t, a in s.p
 print(f"  {len(s.actions)} ticks; bubble {percent(s.bubble_fraction)} = (p-1)/(m+p-1) = "
       f"{percent(bubble('1f1b', 4, 8))}; {len(s.sends)} sends between devices "
       f"(first: device {s.sends[0].src} -> {s.sends[0].dst} at tick {s.sends[0].tick})\n")
-
-# The lecture's section 2.1-2.3 timelines as it prints them (p=4, F=1, B=2), with its bubble
-# figures (rounded to 0.1%) and 1F1B's peak activations.
-LECTURE = {
-    "naive": {"microbatches": 1, "bubble": 0.75, "peak": None, "rows": [
-        "0.........aa", ".0......aa..", "..0...aa....", "...0aa......"]},
-    "gpipe": {"microbatches": 8, "bubble": 0.273, "peak": None, "rows": [
-        "01234567.........aabbccddeeffgghh", ".01234567......aabbccddeeffgghh..",
-        "..01234567...aabbccddeeffgghh....", "...01234567aabbccddeeffgghh......"]},
-    "1f1b": {"microbatches": 8, "bubble": 0.273, "peak": [4, 3, 2, 1], "rows": [
-        "0123......aa4bb5cc6dd7ee.ff.gg.hh", ".012....aa3bb4cc5dd6ee7ff.gg.hh..",
-        "..01..aa2bb3cc4dd5ee6ff7gg.hh....", "...0aa1bb2cc3dd4ee5ff6gg7hh......"]},
-}
 
 
 def show(s: schedule.Schedule) -> None:

@@ -114,3 +114,17 @@ def baseline_collectives(*, stages: int, microbatches: int, batch_size: int, fea
         out["all-reduce"] = (1, param_bytes // stages + item)
     return Collectives(out)
 
+
+# The lecture's section 2.1-2.3 timelines as it prints them (p=4, F=1, B=2), with its bubble
+# figures (rounded to 0.1%) and 1F1B's peak activations: what `jaxpar verify schedule` and
+# examples/01 hold the schedules' tables against.
+LECTURE_TIMELINES: dict[str, dict] = {
+    "naive": {"microbatches": 1, "bubble": 0.75, "peak": None, "rows": [
+        "0.........aa", ".0......aa..", "..0...aa....", "...0aa......"]},
+    "gpipe": {"microbatches": 8, "bubble": 0.273, "peak": None, "rows": [
+        "01234567.........aabbccddeeffgghh", ".01234567......aabbccddeeffgghh..",
+        "..01234567...aabbccddeeffgghh....", "...01234567aabbccddeeffgghh......"]},
+    "1f1b": {"microbatches": 8, "bubble": 0.273, "peak": [4, 3, 2, 1], "rows": [
+        "0123......aa4bb5cc6dd7ee.ff.gg.hh", ".012....aa3bb4cc5dd6ee7ff.gg.hh..",
+        "..01..aa2bb3cc4dd5ee6ff7gg.hh....", "...0aa1bb2cc3dd4ee5ff6gg7hh......"]},
+}

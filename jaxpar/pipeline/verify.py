@@ -3,9 +3,8 @@ unsharded model, and each compiled step's collectives against `formulas`.
 
 `compare` runs one schedule on a dp x pp mesh and returns every difference and the
 compiled collectives next to the formula; `check_schedules` and `check_runtime` are
-`jaxpar verify schedule|pp` and the tour's rows. `LECTURE_TIMELINES` holds the lecture's
-section 2.1-2.3 timelines verbatim (p=4, F=1, B=2), with its bubble figures as printed
-(rounded to 0.1%) and 1F1B's peak activations.
+`jaxpar verify schedule|pp` and the tour's rows, holding the tables against the lecture's
+timelines (`formulas.LECTURE_TIMELINES`, pure Python: examples/01 prints them too).
 """
 
 from __future__ import annotations
@@ -21,19 +20,8 @@ from jaxpar import reference
 from jaxpar import mesh as mesh_lib
 from jaxpar.mesh import DP
 from jaxpar.pipeline import baseline, formulas, modules, runtime, schedule, stage, viz
+from jaxpar.pipeline.formulas import LECTURE_TIMELINES
 from jaxpar.testing import Result, compare as compare_trees, compiled_collectives, max_abs_diff
-
-LECTURE_TIMELINES: dict[str, dict] = {
-    "naive": {"microbatches": 1, "bubble": 0.75, "peak": None, "rows": [
-        "0.........aa", ".0......aa..", "..0...aa....", "...0aa......"]},
-    "gpipe": {"microbatches": 8, "bubble": 0.273, "peak": None, "rows": [
-        "01234567.........aabbccddeeffgghh", ".01234567......aabbccddeeffgghh..",
-        "..01234567...aabbccddeeffgghh....", "...01234567aabbccddeeffgghh......"]},
-    "1f1b": {"microbatches": 8, "bubble": 0.273, "peak": [4, 3, 2, 1], "rows": [
-        "0123......aa4bb5cc6dd7ee.ff.gg.hh", ".012....aa3bb4cc5dd6ee7ff.gg.hh..",
-        "..01..aa2bb3cc4dd5ee6ff7gg.hh....", "...0aa1bb2cc3dd4ee5ff6gg7hh......"]},
-}
-
 
 @dataclasses.dataclass
 class Comparison:

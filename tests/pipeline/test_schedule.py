@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from jaxpar.pipeline import schedule as S
 from jaxpar.pipeline import formulas, orders
-from jaxpar.pipeline.verify import LECTURE_TIMELINES
+from jaxpar.pipeline.formulas import LECTURE_TIMELINES
 from jaxpar.pipeline.viz import percent
 from tests.oracles import FAST, bubble, check_dependencies
 
@@ -25,7 +25,7 @@ SEED = next((d / SEED_NAME for d in (pathlib.Path(__file__).resolve().parents[3]
                                      pathlib.Path("/work/shared")) if (d / SEED_NAME).exists()), None)
 
 # Sections 2.1-2.3 of the lecture, copied verbatim (figure title and rows), so that the check
-# against a copy independent of schedule_lecture.LECTURE_TIMELINES never skips.
+# against a copy independent of formulas.LECTURE_TIMELINES never skips.
 LECTURE_TEXT = {
     "naive": """\
 朴素（m = 1）：气泡 75%

@@ -158,8 +158,23 @@ def tp_wire_bytes(model: Model, *, tokens: int, tp: int, passes: int = 2) -> flo
 
 def evaluate(model: Model, cluster: Cluster, cand: Candidate, *, tokens, seq_len: int, zero: int = 1,
              activation_model: str = "block") -> Estimate:
-    c, gpu = cand, cluster.gpu
+    """One candidate's estimate: the rules it breaks (then nothing more), else its memory per
+    GPU against the GPU's and its step time."""
     n_seq = sequences(tokens, seq_len)
+    m = n_seq // (cand.dp * cand.microbatch_size) if cand.dp * cand.microbatch_size else 0
+    reasons = _broken_rules(model, cluster, cand, n_seq=n_seq, m=m, seq_len=seq_len)
+    if reasons:
+        return Estimate(candidate=cand, reasons=reasons, microbatches=m)
+    memory = _memory(model, cand, m=m, seq_len=seq_len, zero=zero, activation_model=activation_model)
+    if memory["total"] > cluster.gpu.memory:
+        reasons.append(f"memory {memory['total'] / GB:.1f} GB > {cluster.gpu.memory / GB:.0f} GB")
+    bubble = pipeline_formulas.bubble(cand.schedule, cand.pp, m, cand.chunks) if cand.pp > 1 else 0.0
+    times = _times(model, cluster, cand, n_seq=n_seq, m=m, seq_len=seq_len, bubble=bubble)
+    return Estimate(candidate=cand, reasons=reasons, microbatches=m, memory=memory, bubble=bubble, times=times)
+
+
+def _broken_rules(model: Model, cluster: Cluster, c: Candidate, *, n_seq: int, m: int, seq_len: int) -> list[str]:
+    """Every rule candidate c breaks (m: its microbatches), each as a sentence."""
     reasons = []
     if c.tp * c.pp * c.dp * c.cp != cluster.gpus:
         reasons.append(f"tp x pp x dp x cp = {c.tp * c.pp * c.dp * c.cp} is not the {cluster.gpus} GPUs")
@@ -169,7 +184,6 @@ def evaluate(model: Model, cluster: Cluster, cand: Candidate, *, tokens, seq_len
         reasons.append(f"pp x chunks = {c.pp * c.chunks} stages for {model.n_layers} layers")
     if n_seq % (c.dp * c.microbatch_size):
         reasons.append(f"{n_seq} sequences do not split into dp={c.dp} x microbatch_size={c.microbatch_size}")
-    m = n_seq // (c.dp * c.microbatch_size) if c.dp * c.microbatch_size else 0
     if c.pp > 1 and m < c.pp:
         reasons.append(f"m = {m} microbatches < p = {c.pp} (the pipeline never fills)")
     try:
@@ -182,9 +196,12 @@ def evaluate(model: Model, cluster: Cluster, cand: Candidate, *, tokens, seq_len
         reasons.append(f"ep={c.ep} must divide dp={c.dp} and the {model.experts} experts")
     if not model.experts and c.ep > 1:
         reasons.append(f"ep={c.ep} on a dense model")
-    if reasons:
-        return Estimate(candidate=c, reasons=reasons, microbatches=m)
+    return reasons
 
+
+def _memory(model: Model, c: Candidate, *, m: int, seq_len: int, zero: int, activation_model: str) -> dict:
+    """Bytes per GPU: params, grads, optimizer (ZeRO `zero`), the first stage's activations
+    in flight, and their total."""
     st = states.state_bytes(dense=model.dense_params, experts=model.expert_params, tp=c.tp, pp=c.pp, dp=c.dp,
                             ep=c.ep, zero=zero)
     in_flight = pipeline_formulas.in_flight(c.schedule, p=c.pp, m=m, chunks=c.chunks)
@@ -193,9 +210,14 @@ def evaluate(model: Model, cluster: Cluster, cand: Candidate, *, tokens, seq_len
                                         recompute=c.recompute, pp=c.pp, in_flight=in_flight)
     memory = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": act}
     memory["total"] = sum(memory.values())
-    if memory["total"] > gpu.memory:
-        reasons.append(f"memory {memory['total'] / GB:.1f} GB > {gpu.memory / GB:.0f} GB")
+    return memory
 
+
+def _times(model: Model, cluster: Cluster, c: Candidate, *, n_seq: int, m: int, seq_len: int,
+           bubble: float) -> dict:
+    """Seconds per step: compute, the tp, ep, pp, cp (hidden under compute) and dp traffic,
+    and the step, (compute + tp + ep + pp) / (1 - bubble) + dp."""
+    gpu = cluster.gpu
     flops = 6 * model.active_params + 6 * model.n_layers * model.d_model * seq_len
     extra = {"none": 0.0, "selective": 2 * model.n_layers * model.d_model * seq_len, "full": 2 * model.active_params}
     compute = n_seq * seq_len * (flops + extra[c.recompute]) / (cluster.gpus * gpu.flops * cluster.mfu)
@@ -216,10 +238,8 @@ def evaluate(model: Model, cluster: Cluster, cand: Candidate, *, tokens, seq_len
     cp_s = passes_per_step * 3 * (c.cp - 1) * 2 * local_tokens * model.d_model * kv * 2 / c.tp / bw(c.tp * c.cp)
     grad_bytes = 2 * (model.dense_params / (c.tp * c.pp))
     dp_s = grad_bytes * 2 * (c.dp - 1) / c.dp / gpu.inter if c.dp > 1 else 0.0
-    bubble = pipeline_formulas.bubble(c.schedule, c.pp, m, c.chunks) if c.pp > 1 else 0.0
     step = (compute + tp_s + ep_s + pp_s) / (1 - bubble) + dp_s
-    times = {"compute": compute, "tp": tp_s, "ep": ep_s, "pp": pp_s, "cp (hidden)": cp_s, "dp": dp_s, "step": step}
-    return Estimate(candidate=c, reasons=reasons, microbatches=m, memory=memory, bubble=bubble, times=times)
+    return {"compute": compute, "tp": tp_s, "ep": ep_s, "pp": pp_s, "cp (hidden)": cp_s, "dp": dp_s, "step": step}
 
 
 def _powers(limit: int) -> list[int]:

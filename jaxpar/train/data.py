@@ -5,10 +5,15 @@ by one of `branching` successors, with skewed probabilities, all drawn from `see
 model that learns the table reaches the chain's entropy rate (`entropy_rate`), far below
 log(vocab), so a falling loss is a model learning something real. Batch i is a function
 of (seed, i) alone: a run resumed from a checkpoint at step i sees the batches the
-uninterrupted run saw.
+uninterrupted run saw. Validation batch k comes from a random stream apart from every
+training step's. `rows=` gives only some rows of a batch (a process of a multi-process
+job draws only its own), equal to those rows of the whole batch. `text.TokenData` (real
+text) has the same interface, so the loop treats both alike.
 
     corpus = Corpus(vocab=64)
-    corpus.batch(step=0, batch_size=8, seq_len=32)   # int32[8, 33]
+    corpus.batch(step=0, batch_size=8, seq_len=32)             # int32[8, 33]
+    corpus.batch(step=0, batch_size=8, seq_len=32, rows=slice(0, 4))   # its rows 0..3
+    corpus.validation_batch(0, batch_size=8, seq_len=32)       # held out
 """
 
 from __future__ import annotations
@@ -52,19 +57,62 @@ class Corpus:
         h = -np.sum(np.where(w > 0, w * np.log(np.where(w > 0, w, 1)), 0), axis=1)
         return float(pi @ h)
 
-    def batch(self, step: int, *, batch_size: int, seq_len: int) -> np.ndarray:
-        """int32[batch_size, seq_len + 1], the same for the same (seed, step)."""
+    def batch(self, step: int, *, batch_size: int, seq_len: int, rows: slice | None = None) -> np.ndarray:
+        """int32[batch_size, seq_len + 1] (or only `rows` of it), the same for the same
+        (seed, step). `rows` computes only those rows, equal to `batch(...)[rows]`: each
+        process of a multi-process job draws only its own."""
         errors.whole("step", step, minimum=0, maximum=(1 << 62))
+        return self._sample(training_rng(self.seed, step), batch_size, seq_len, rows)
+
+    def validation_batch(self, k: int, *, batch_size: int, seq_len: int, rows: slice | None = None) -> np.ndarray:
+        """int32[batch_size, seq_len + 1]: the k-th held-out batch, from a random stream
+        apart from every training step's (`validation_rng`), so never a batch `batch` returns."""
+        errors.whole("k", k, minimum=0, maximum=(1 << 62))
+        return self._sample(validation_rng(self.seed, k), batch_size, seq_len, rows)
+
+    def _sample(self, rng: np.random.Generator, batch_size: int, seq_len: int, rows: slice | None) -> np.ndarray:
+        """Walk the chain for the rows `rows` of a [batch_size, seq_len + 1] batch. Every
+        row's draws are the ones the whole batch would make: all first tokens, then
+        uniforms u[batch_size, seq_len] in row order, of which only the rows' span is drawn
+        (skipped over with the bit generator's `advance`: one 64-bit draw per double)."""
         errors.whole("batch_size", batch_size, maximum=1 << 24)
         errors.whole("seq_len", seq_len, maximum=1 << 24)
+        picked = row_indices(rows, batch_size)
         succ, w = self.table
-        rng = np.random.default_rng((self.seed, step))
-        out = np.empty((batch_size, seq_len + 1), np.int64)
-        out[:, 0] = rng.integers(0, self.vocab, batch_size)
+        first = rng.integers(0, self.vocab, batch_size)
+        out = np.empty((len(picked), seq_len + 1), np.int64)
+        if not len(picked):
+            return out.astype(np.int32)
+        low, high = int(picked.min()), int(picked.max())
+        rng.bit_generator.advance(low * seq_len)
+        u = rng.random((high - low + 1, seq_len))[picked - low]
+        out[:, 0] = first[picked]
         cum = np.cumsum(w, axis=1)
-        u = rng.random((batch_size, seq_len))
         for t in range(seq_len):
             prev = out[:, t]
             pick = np.minimum((u[:, t, None] > cum[prev]).sum(axis=1), self.branching - 1)
             out[:, t + 1] = succ[prev, pick]
         return out.astype(np.int32)
+
+
+def training_rng(seed: int, step: int) -> np.random.Generator:
+    """The random stream of training batch `step`: entropy (seed, step), at most 4 words."""
+    return np.random.default_rng((seed, step))
+
+
+def validation_rng(seed: int, k: int) -> np.random.Generator:
+    """The random stream of validation batch `k`: entropy (seed, k) padded to 4 words with
+    spawn key (1,) after it, 5 words or more, so it never equals a `training_rng` stream."""
+    return np.random.default_rng(np.random.SeedSequence((seed, k), spawn_key=(1,)))
+
+
+def row_indices(rows: slice | None, batch_size: int) -> np.ndarray:
+    """int[n]: the row numbers `rows` selects from a batch of `batch_size` rows, in
+    order (None: all of them), as `np.arange(batch_size)[rows]` would."""
+    if rows is None:
+        return np.arange(batch_size)
+    if not isinstance(rows, slice):
+        raise errors.ConfigError(f"rows={rows!r} is a {type(rows).__name__}, not a slice: give the rows a "
+                                 f"process loads as a slice, e.g. rows=slice(0, {max(1, batch_size // 2)}), "
+                                 "or None for the whole batch")
+    return np.arange(batch_size)[rows]

@@ -33,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "plan": "jaxpar.cli.plan",
     "exercise": "jaxpar.cli.exercise",
     "train": "jaxpar.cli.train",
+    "data": "jaxpar.cli.data",
 }
 
 

@@ -54,6 +54,11 @@ EXPECTED = {
                         (re.compile(r"^process [01]: 4 local of 8 devices, mesh dp=2 tp=4, max \|diff\| vs reference",
                                     re.M), 2),
                         "10 training steps: 2 processes = 1 device (reference_trainer)"],
+    "11_train_on_text.py": ["4 cpu devices", "validation tokens (uint16), vocab 512",
+                            "from a fresh TokenData: the same tokens: ok",
+                            (re.compile(r"^  step +\d+: training loss \d\.\d+ .*, validation loss \d\.\d+$", re.M), 3),
+                            "training and validation losses fell by more than 1 nat: ok",
+                            "prompt 'The return value of', 40 tokens on: "],
 }
 
 

@@ -117,6 +117,29 @@ def test_rows_are_the_whole_batchs_rows(data, source, rows):
         np.testing.assert_array_equal(part, whole[rows])
 
 
+def _markov_batch_before_rows(corpus, step, batch_size, seq_len):
+    """Corpus.batch as it was before rows= (the oracle: resumed runs depend on its bits)."""
+    succ, w = corpus.table
+    rng = np.random.default_rng((corpus.seed, step))
+    out = np.empty((batch_size, seq_len + 1), np.int64)
+    out[:, 0] = rng.integers(0, corpus.vocab, batch_size)
+    cum = np.cumsum(w, axis=1)
+    u = rng.random((batch_size, seq_len))
+    for t in range(seq_len):
+        prev = out[:, t]
+        pick = np.minimum((u[:, t, None] > cum[prev]).sum(axis=1), corpus.branching - 1)
+        out[:, t + 1] = succ[prev, pick]
+    return out.astype(np.int32)
+
+
+@pytest.mark.parametrize("vocab, seed, step, batch_size, seq_len", [(64, 0, 0, 8, 32), (32, 1, 5, 4, 8),
+                                                                    (300, 7, 2**40, 5, 17)])
+def test_the_corpus_batches_are_the_same_bits_as_before_rows(vocab, seed, step, batch_size, seq_len):
+    corpus = Corpus(vocab=vocab, seed=seed)
+    np.testing.assert_array_equal(corpus.batch(step, batch_size=batch_size, seq_len=seq_len),
+                                  _markov_batch_before_rows(corpus, step, batch_size, seq_len))
+
+
 def test_the_corpus_whole_batch_is_its_row_blocks_joined():
     corpus = Corpus(vocab=64, seed=0)
     whole = corpus.batch(3, batch_size=8, seq_len=32)

@@ -1,27 +1,46 @@
-"""The training loop: batches from the corpus, the step, a progress bar, checkpoints,
-and resuming where a killed run left off.
+"""The training loop: batches from the data, the step, a progress line, validation,
+checkpoints, and resuming where a killed run left off.
 
     with Checkpoints("ckpt", every=20) as ckpt:        # its background threads end with the block
-        state, history = fit(trainer, steps=200, checkpoints=ckpt, log="steps.jsonl")
+        state, history = fit(trainer, steps=200, checkpoints=ckpt, log="steps.jsonl",
+                             eval_every=20, eval_batches=4)
 
-Batch i is `corpus.batch(i, ...)` whatever happened before, and a resumed run restores
+Batch i is `data.batch(i, ...)` whatever happened before, and a resumed run restores
 the latest intact checkpoint (on whatever mesh `trainer` has), so its losses are the
 uninterrupted run's. With `checkpoints`, the last step is saved too, a multiple of
 `every` or not, and `fit` returns once every save is on disk. `log=` appends one JSON
 line per step, `History.row`'s (flushed: a killed run's log is complete up to its last
 step); its path is checked before anything compiles.
+
+The data is any object with `batch(step, *, batch_size, seq_len, rows=None)` and, for
+validation, `validation_batch(k, *, batch_size, seq_len, rows=None)`, each returning
+int[batch_size, seq_len + 1] token ids (only the rows `rows` when given): the generated
+`Corpus` (the default) or a tokenized text directory (`text.TokenData`). Each process
+of a multi-process job reads only the rows its own devices hold (`global_batch`).
+
+The progress line (tqdm, on stderr) shows step i/N, the loss, the last validation loss,
+tokens/s, ms/step and MFU (`throughput.mfu`; "n/a" where the device's peak is unknown,
+as on CPU).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import glob
 import json
-import sys
+import os
 import time
 
 import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
 
-from jaxpar import errors
+from jaxpar import errors, reference
+from jaxpar.errors import ConfigError
+from jaxpar.train import throughput
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.data import Corpus
 from jaxpar.train.step import Trainer, TrainState
@@ -34,15 +53,26 @@ class History:
     norms: list = dataclasses.field(default_factory=list)
     lrs: list = dataclasses.field(default_factory=list)
     seconds: list = dataclasses.field(default_factory=list)     # wall time of each step (the first compiles)
+    # per step: the mean validation loss of the weights after that step's update, None where not measured
+    val_losses: list = dataclasses.field(default_factory=list)
     resumed_from: int | None = None
+    profile: dict | None = None       # {"directory", "steps", "file"} when steps were traced
 
     def row(self, k: int) -> dict:
-        """Step k's record (k = -1: the last): the `--json` history's and the log's lines."""
-        return {"step": self.steps[k], "loss": self.losses[k], "grad_norm": self.norms[k], "lr": self.lrs[k],
-                "seconds": self.seconds[k]}
+        """Step k's record (k = -1: the last): the `--json` history's and the log's lines;
+        "val_loss" only where it was measured."""
+        out = {"step": self.steps[k], "loss": self.losses[k], "grad_norm": self.norms[k], "lr": self.lrs[k],
+               "seconds": self.seconds[k]}
+        if k < len(self.val_losses) and self.val_losses[k] is not None:
+            out["val_loss"] = self.val_losses[k]
+        return out
 
     def rows(self) -> list[dict]:
         return [self.row(k) for k in range(len(self.steps))]
+
+    def validation(self) -> list[tuple[int, float]]:
+        """[(step, validation loss)] where measured."""
+        return [(s, v) for s, v in zip(self.steps, self.val_losses) if v is not None]
 
     def tokens_per_second(self, tokens_per_step: int) -> float:
         """Over the steps after the first (which compiles)."""
@@ -54,22 +84,186 @@ class History:
         return sum(timed) / max(len(timed), 1)
 
 
-def _bar(i: int, total: int, loss: float, tok_s: float, ms: float) -> str:
-    width = 24
-    done = int(width * i / max(total, 1))
-    return (f"\r[{'#' * done}{'.' * (width - done)}] step {i}/{total}  loss {loss:.4f}  "
-            f"{tok_s:,.0f} tok/s  {ms:.0f} ms/step")
+# ---- batches: each process reads only its own rows --------------------------------------------
+
+def token_sharding(trainer: Trainer) -> NamedSharding:
+    """Tokens int[B, T+1] split by rows as the step splits its batch (over the batch axes
+    dp and ep that `trainer.batch_spec` names for rows), whole along the sequence."""
+    rows = trainer.batch_spec[0] if len(trainer.batch_spec) else None
+    return NamedSharding(trainer.mesh, P(rows))
 
 
-def fit(trainer: Trainer, *, steps: int, corpus: Corpus | None = None, state: TrainState | None = None,
+def local_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:
+    """The rows of an array of `shape` [B, ...] that this process's devices hold under
+    `sharding`: one slice from the first row any of them holds to the last (a process's
+    devices are neighbours on the meshes `make_mesh` builds, so their rows are one span)."""
+    batch = shape[0]
+    spans = [index[0].indices(batch)[:2] for index in sharding.addressable_devices_indices_map(shape).values()]
+    return slice(min(start for start, _ in spans), max(stop for _, stop in spans))
+
+
+def _check_tokens(tokens, rows: slice, trainer: Trainer) -> np.ndarray:
+    """The rows `rows` of a batch as int32, refused unless int[len(rows), T+1] in [0, vocab)."""
+    tokens = np.asarray(tokens)
+    want = (rows.stop - rows.start, trainer.seq_len + 1)
+    if tokens.shape != want or tokens.dtype.kind not in "iu":
+        raise ConfigError(f"the data gave tokens {tokens.shape} {tokens.dtype} for rows {rows.start}:{rows.stop} "
+                          f"of a batch: this trainer takes int[batch_size={trainer.batch_size}, "
+                          f"seq_len+1={trainer.seq_len + 1}]")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= trainer.cfg.vocab):
+        raise ConfigError(f"token ids in [{tokens.min()}, {tokens.max()}]: they must lie in [0, vocab="
+                          f"{trainer.cfg.vocab}); give the model a vocab of at least {tokens.max() + 1}")
+    return tokens.astype(np.int32)
+
+
+@functools.lru_cache(maxsize=16)
+def _replicate(sharding: NamedSharding):
+    """A jitted identity whose output is replicated over `sharding`'s mesh: each device
+    gathers the rows it does not hold (the step takes its tokens replicated, P())."""
+    return jax.jit(_identity, out_shardings=sharding)
+
+
+def _identity(x):
+    return x
+
+
+def global_batch(trainer: Trainer, read) -> jax.Array:
+    """The global batch int[B, T+1] on `trainer`'s mesh, of which this process reads only
+    the rows its devices hold: read(rows) -> those rows (rows=None: the whole batch, when
+    this process holds every row). Built split by rows (`token_sharding`), then gathered to
+    the replicated layout `Trainer.step` takes: the step's compiled program is unchanged,
+    and no process ever reads the whole batch from its data. (Were the step lowered with
+    `token_sharding`'s layout for its tokens, the gather would go.)"""
+    sharding = token_sharding(trainer)
+    shape = (trainer.batch_size, trainer.seq_len + 1)
+    rows = local_rows(sharding, shape)
+    whole = rows == slice(0, shape[0])
+    local = _check_tokens(read(None if whole else rows), rows, trainer)
+
+    def block(index):
+        start, stop = index[0].indices(shape[0])[:2]
+        return local[start - rows.start:stop - rows.start]
+    split = jax.make_array_from_callback(shape, sharding, block)
+    return _replicate(NamedSharding(trainer.mesh, P()))(split)
+
+
+# ---- validation --------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnums=2)
+def _reference_loss(params, tokens, cfg):
+    return reference.loss(params, tokens, cfg)
+
+
+def eval_loss(trainer: Trainer, state: TrainState, tokens) -> float:
+    """The loss of `state`'s weights on tokens int[B, T+1] (a global array from
+    `global_batch`), forward only: `reference.loss` (the trained loss: cross-entropy, plus
+    the balance term when cfg.aux_loss > 0) on the canonical weights, one jitted program,
+    replicated on every device. Simple and exact; a program sharded as the step is would
+    be faster on a large model."""
+    params, _, _ = trainer.canonical(state)
+    return float(_reference_loss(params, tokens, trainer.cfg))
+
+
+def validation_loss(trainer: Trainer, state: TrainState, data, batches: int) -> float:
+    """The mean of `eval_loss` over validation batches 0 .. batches-1 of `data`."""
+    total = 0.0
+    for k in range(batches):
+        read = functools.partial(data.validation_batch, k, batch_size=trainer.batch_size, seq_len=trainer.seq_len)
+        total += eval_loss(trainer, state, global_batch(trainer, _rows_keyword(read)))
+    return total / batches
+
+
+def _rows_keyword(read):
+    """read(rows) for a reader taking rows= as a keyword (None: the whole batch)."""
+    def call(rows):
+        return read() if rows is None else read(rows=rows)
+    return call
+
+
+# ---- profiling ----------------------------------------------------------------------------------
+
+class _Profile:
+    """jax.profiler.trace over steps [first, first + count) of a run, written under
+    `directory` (one sub-directory per process in a multi-process job)."""
+
+    def __init__(self, directory: str | None, first: int, count: int):
+        self.directory = directory
+        if directory is not None and jax.process_count() > 1:
+            self.directory = os.path.join(directory, f"process-{jax.process_index()}")
+        self.first, self.count, self.traced, self.on = first, count, [], False
+
+    def before(self, i: int) -> None:
+        if self.directory is not None and i == self.first:
+            os.makedirs(self.directory, exist_ok=True)
+            jax.profiler.start_trace(self.directory)
+            self.on = True
+
+    def after(self, i: int) -> None:
+        if self.on:
+            self.traced.append(i)
+            if len(self.traced) == self.count:
+                self.stop()
+
+    def stop(self) -> None:
+        if self.on:
+            jax.profiler.stop_trace()
+            self.on = False
+
+    def record(self) -> dict | None:
+        if self.directory is None or not self.traced:
+            return None
+        found = sorted(glob.glob(os.path.join(self.directory, "**", "*.xplane.pb"), recursive=True),
+                       key=os.path.getmtime)
+        return {"directory": self.directory, "steps": self.traced, "file": found[-1] if found else None}
+
+
+# ---- the loop -----------------------------------------------------------------------------------
+
+class _ProgressLine(tqdm):
+    """tqdm's line with a field {stats} of our own (tqdm's {postfix} starts with ", ")."""
+
+    stats = ""
+
+    @property
+    def format_dict(self):
+        return {**super().format_dict, "stats": self.stats}
+
+
+def _progress_text(history: History, trainer: Trainer, tokens: int, device_kind: str) -> str:
+    tok_s = history.tokens_per_second(tokens)
+    mfu = throughput.mfu(tok_s, trainer.cfg, trainer.seq_len, trainer.mesh.size, device_kind, trainer.dtype)
+    val = history.validation()
+    parts = [f"loss {history.losses[-1]:.4f}"] + ([f"val {val[-1][1]:.4f}"] if val else []) + [
+        f"{tok_s:,.0f} tok/s", f"{1e3 * history.step_seconds():.0f} ms/step", f"MFU {throughput.format_mfu(mfu)}"]
+    return "  ".join(parts)
+
+
+def fit(trainer: Trainer, *, steps: int, corpus=None, state: TrainState | None = None,
         checkpoints: Checkpoints | None = None, log: str | None = None, progress: bool = True,
-        key=None, on_step=None) -> tuple[TrainState, History]:
+        key=None, on_step=None, eval_every: int | None = None, eval_batches: int = 1,
+        profile: str | None = None, profile_steps: int = 3) -> tuple[TrainState, History]:
     """Train to `steps` steps in all; resume from `checkpoints`' latest step when it has
     one (and no `state` is given), save every `checkpoints.every` steps and the last.
-    on_step(i, metrics) runs after each step. The caller owns `checkpoints` (close it,
-    or use `with`: its background threads end there)."""
+
+    corpus: the data (default: `Corpus(vocab=cfg.vocab)`). eval_every: measure the mean
+    loss over `eval_batches` validation batches after every eval_every-th step and after
+    the last (None: never). profile: a directory where `jax.profiler.trace` records
+    `profile_steps` steps after the first (which compiles). progress: the tqdm line on
+    stderr. on_step(i, metrics) runs after each step. In a multi-process job only process
+    0 writes the log and draws the progress line. The caller owns `checkpoints` (close
+    it, or use `with`: its background threads end there)."""
     log = errors.writable_path("log", log) if log is not None else None
     corpus = Corpus(vocab=trainer.cfg.vocab) if corpus is None else corpus
+    if eval_every is not None:
+        errors.whole("eval_every", eval_every, fix="eval_every is the steps between validations, e.g. eval_every=20")
+        errors.whole("eval_batches", eval_batches, maximum=1 << 20,
+                     fix="eval_batches is the validation batches averaged, e.g. eval_batches=4")
+        if not callable(getattr(corpus, "validation_batch", None)):
+            raise ConfigError(f"eval_every={eval_every}: the data ({type(corpus).__name__}) has no "
+                              "validation_batch(k, *, batch_size, seq_len, rows=None); give data with "
+                              "held-out batches, or eval_every=None")
+    if profile is not None:
+        errors.whole("profile_steps", profile_steps, maximum=1 << 10)
     history = History()
     if state is None and checkpoints is not None and checkpoints.latest() is not None:
         state = checkpoints.restore(trainer)
@@ -78,19 +272,29 @@ def fit(trainer: Trainer, *, steps: int, corpus: Corpus | None = None, state: Tr
         state = trainer.init(key)
     start = int(jax.device_get(state.step))
     tokens = trainer.batch_size * trainer.seq_len
-    out = open(log, "a") if log else None
+    lead = jax.process_index() == 0
+    device_kind = trainer.mesh.devices.flat[0].device_kind
+    profiler = _Profile(profile, start + 1 if steps - start > 1 else start, profile_steps)
+    out = open(log, "a") if log and lead else None
+    bar = _ProgressLine(total=steps, initial=start, disable=not (progress and lead and steps > start),
+                        dynamic_ncols=True, bar_format="step {n_fmt}/{total_fmt} |{bar:16}| {stats}")
     try:
         for i in range(start, steps):
-            batch = trainer.put(corpus.batch(i, batch_size=trainer.batch_size, seq_len=trainer.seq_len))
+            read = functools.partial(corpus.batch, i, batch_size=trainer.batch_size, seq_len=trainer.seq_len)
+            batch = global_batch(trainer, _rows_keyword(read))
+            profiler.before(i)
             t0 = time.perf_counter()
             state, metrics = trainer.step(state, batch)
             loss = float(metrics["loss"])
             dt = time.perf_counter() - t0
+            profiler.after(i)
             history.steps.append(i)
             history.losses.append(loss)
             history.norms.append(float(metrics["norm"]))
             history.lrs.append(float(metrics["lr"]))
             history.seconds.append(dt)
+            measure = eval_every is not None and ((i + 1) % eval_every == 0 or i + 1 == steps)
+            history.val_losses.append(validation_loss(trainer, state, corpus, eval_batches) if measure else None)
             if out:
                 out.write(json.dumps(history.row(-1)) + "\n")
                 out.flush()
@@ -98,17 +302,18 @@ def fit(trainer: Trainer, *, steps: int, corpus: Corpus | None = None, state: Tr
                 checkpoints.maybe_save(trainer, state)
             if on_step is not None:
                 on_step(i, metrics)
-            if progress:
-                sys.stderr.write(_bar(i + 1, steps, loss, history.tokens_per_second(tokens),
-                                      1e3 * history.step_seconds()))
-                sys.stderr.flush()
-        if progress and steps > start:
-            sys.stderr.write("\n")
+            if not bar.disable:
+                bar.stats = _progress_text(history, trainer, tokens, device_kind)
+                bar.update(1)
+        profiler.stop()
+        history.profile = profiler.record()
         if checkpoints is not None:
             if steps > start:
                 checkpoints.save(trainer, state)        # the last step, whatever `every` is
             checkpoints.wait()
     finally:
+        profiler.stop()
+        bar.close()
         if out:
             out.close()
     return state, history

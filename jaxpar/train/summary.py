@@ -145,12 +145,17 @@ def memory(compiled) -> dict[str, int]:
 
 
 def plot(history, path: str) -> str:
+    """The loss curve (and the validation losses, where measured) as a PNG at `path`."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(history.steps, history.losses, lw=1.5)
+    ax.plot(history.steps, history.losses, lw=1.5, label="train")
+    validation = history.validation()
+    if validation:      # the validation loss where measured: after that step's update
+        ax.plot([s for s, _ in validation], [v for _, v in validation], "o-", ms=4, lw=1, label="validation")
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)

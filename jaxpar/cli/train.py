@@ -4,12 +4,24 @@
     jaxpar train --mesh pp=2,cp=2,ep=2 --experts 4 --microbatches 2 --steps 50
     jaxpar train --mesh dp=4,tp=2 --sp --zero 1 --checkpoint run/ckpt --every 20   (resumes if killed)
     jaxpar train --mesh dp=2 --steps 50 --log run/steps.jsonl --json
+    jaxpar train --mesh dp=2,tp=2 --data data/ --seq 64 --eval-every 20     (tokenized text: `jaxpar data prepare`)
+    jaxpar train --mesh dp=2,tp=2 --steps 20 --profile run/trace            (the share of op time in collectives)
+    jaxpar train --mesh dp=2,tp=4 --coordinator 10.0.0.1:12355 --processes 2 --process-id 0    (on each host)
 
-Ends with a summary: loss curve PNG, tokens/s, memory per device (compiled), and the
-collectives of one step against the techniques' formulas (`jaxpar.train.summary`);
-`--json` adds the history, one row per step (step, loss, grad_norm, lr, seconds), the
-rows `--log` writes as JSON lines while training. The checkpoint directory and the log
-are checked before JAX starts; the checkpoints' threads are closed on every way out.
+Ends with a summary: loss curve PNG (validation points on it), tokens/s, MFU, memory per
+device (compiled), communication, and the collectives of one step against the
+techniques' formulas (`jaxpar.train.summary`); `--json` adds the history, one row per
+step (step, loss, grad_norm, lr, seconds, and val_loss where measured), the rows `--log`
+writes as JSON lines while training. The data directory, the checkpoint directory, the
+log and the multi-process flags are checked before JAX starts; the checkpoints' threads
+are closed on every way out.
+
+Several processes (one per host, or several on one machine with fake CPU devices) form
+one job with `--coordinator HOST:PORT --processes N --process-id I` (jax.distributed; on
+CPU, gloo collectives), or, inside a cluster job that jax.distributed detects (SLURM,
+Open MPI, Kubernetes), with `--distributed auto`. `--devices` is then each process's
+fake CPU devices. Each process reads only the rows of each batch its own devices hold;
+process 0 alone prints, plots and writes the log; all of them write the checkpoints.
 """
 
 from __future__ import annotations
@@ -17,7 +29,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 
+from jaxpar.errors import ConfigError
 from jaxpar.pipeline import orders
 
 FLAGS = {"dp": "--mesh dp", "pp": "--mesh pp", "tp": "--mesh tp", "cp": "--mesh cp", "ep": "--mesh ep",
@@ -26,7 +40,9 @@ FLAGS = {"dp": "--mesh dp", "pp": "--mesh pp", "tp": "--mesh tp", "cp": "--mesh 
          "d_ff": "--ffn", "chunks": "--chunks", "zero": "--zero", "attention": "--attention", "layout": "--layout",
          "schedule": "--schedule", "steps": "--steps", "warmup": "--warmup", "lr": "--lr", "every": "--every",
          "directory": "--checkpoint", "log": "--log", "router": "--router", "aux_loss": "--aux-loss",
-         "bias_rate": "--bias-rate", "top_k": "--top-k"}
+         "bias_rate": "--bias-rate", "top_k": "--top-k", "eval_every": "--eval-every",
+         "eval_batches": "--eval-batches", "coordinator": "--coordinator", "num_processes": "--processes",
+         "process_id": "--process-id", "profile": "--profile"}
 HELP = "train the composed model on a dp x pp x tp x cp x ep mesh (lecture 7), with a summary"
 
 
@@ -49,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--ffn", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=None,
+                        help="vocabulary (default 64; with --data, the data's, rounded up to a multiple of tp)")
     parser.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense)")
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--router", default="softmax", help="softmax, or sigmoid (DeepSeek-V3, with --bias-rate)")
@@ -65,27 +82,136 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--log", default=None,
                         help="append one JSON line per step to this file (its folder must exist)")
+    parser.add_argument("--data", default=None,
+                        help="a tokenized text directory (`jaxpar data prepare`) to train on (default: the generated "
+                             "corpus)")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="validation loss every N steps and at the end (default: steps / 10 with --data, "
+                             "else off; 0: off)")
+    parser.add_argument("--eval-batches", type=int, default=4, help="validation batches averaged (default 4)")
+    parser.add_argument("--profile", default=None,
+                        help="trace 3 steps after the first with jax.profiler into this directory and report the "
+                             "share of op time in collectives")
+    parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0: join a multi-process job")
+    parser.add_argument("--processes", type=int, default=None, help="processes in the job (with --coordinator)")
+    parser.add_argument("--process-id", type=int, default=None, help="this process's index, 0 .. processes-1")
+    parser.add_argument("--distributed", choices=["auto"], default=None,
+                        help="auto: join the cluster job jax.distributed detects (SLURM, Open MPI, Kubernetes)")
     parser.add_argument("--out", default="jaxpar-train", help="where the loss curve goes (default jaxpar-train/)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument("--devices", type=int, default=None, help="fake CPU devices (default: the mesh's)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="fake CPU devices of this process (default: the mesh's, split over the processes)")
     parser.add_argument("--platform", choices=["cpu", "default"], default="default")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+_HOST_PORT = re.compile(r"[\w.\-]+:\d{1,5}|\[[0-9a-fA-F:.]+\]:\d{1,5}")
+
+
+def check_distributed(args) -> int:
+    """The multi-process flags, checked before JAX starts: the number of processes (1
+    without any)."""
+    joined = [flag for flag, value in (("--processes", args.processes), ("--process-id", args.process_id))
+              if value is not None]
+    if args.distributed is not None:
+        if args.coordinator is not None or joined:
+            raise ConfigError("--distributed auto takes the job's layout from the cluster: give it without "
+                              "--coordinator, --processes and --process-id")
+        return 1        # known once jax.distributed has joined
+    if args.coordinator is None:
+        if joined:
+            raise ConfigError(f"{' and '.join(joined)} without --coordinator: give --coordinator HOST:PORT of "
+                              "process 0 too (or --distributed auto inside a cluster job)")
+        return 1
+    if not _HOST_PORT.fullmatch(args.coordinator) or not 0 < int(args.coordinator.rsplit(":", 1)[1]) < 65536:
+        raise ConfigError(f"--coordinator {args.coordinator!r} is not HOST:PORT: give process 0's address and a "
+                          "free port, e.g. --coordinator 10.0.0.1:12355")
+    if args.processes is None or args.process_id is None:
+        raise ConfigError("--coordinator needs --processes N and --process-id I (0 .. N-1) too")
+    if args.processes < 1:
+        raise ConfigError(f"--processes {args.processes}: give 1 or more processes")
+    if not 0 <= args.process_id < args.processes:
+        raise ConfigError(f"--process-id {args.process_id} with --processes {args.processes}: ids run from 0 to "
+                          f"{args.processes - 1}")
+    return args.processes
+
+
+def open_data(args, tp: int):
+    """(the data, or None for the generated corpus; the model's vocab): --data opened and
+    its vocabulary checked against --vocab (default: the data's, rounded up to a multiple
+    of tp for the vocab-parallel embedding) before JAX starts."""
+    if args.data is None:
+        return None, 64 if args.vocab is None else args.vocab
+    from jaxpar.train import text
+
+    data = text.TokenData(args.data)
+    vocab = -(-data.vocab // tp) * tp if args.vocab is None else args.vocab
+    text.check_vocab(data, vocab)
+    return data, vocab
+
+
+def eval_every(args) -> int | None:
+    """--eval-every, or its default: steps / 10 with --data, else off; 0: off."""
+    if args.eval_batches < 1:
+        raise ConfigError(f"--eval-batches {args.eval_batches}: give 1 or more validation batches")
+    if args.eval_every is None:
+        return max(1, args.steps // 10) if args.data is not None else None
+    if args.eval_every < 0:
+        raise ConfigError(f"--eval-every {args.eval_every}: give the steps between validations, or 0 for none")
+    return args.eval_every or None
+
+
+def local_devices(args, spec, processes: int) -> int | None:
+    """The fake CPU devices this process starts: --devices, else the mesh's share of
+    each process (None under --distributed auto without --devices: the cluster's)."""
+    if args.devices is not None or args.distributed is not None:
+        return args.devices
+    if spec.devices % processes:
+        raise ConfigError(f"--mesh {args.mesh} has {spec.devices} devices, not a multiple of --processes "
+                          f"{processes}: give --devices (each process's) or a mesh that divides evenly")
+    return spec.devices // processes
+
+
+def start_jax(args, processes: int, devices: int | None):
+    """Start JAX for this process with `devices` fake CPU devices (joining the job
+    first, if any); return the job's devices."""
+    import jax
+
+    from jaxpar import mesh
+
+    if args.platform == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+    if args.distributed == "auto":        # the cluster's environment names the coordinator and the ranks
+        if devices is not None:
+            mesh.use_cpu_devices(devices)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize()
+    elif args.coordinator is not None:
+        mesh.init_distributed(args.coordinator, num_processes=processes, process_id=args.process_id,
+                              local_device_count=devices)
+    else:
+        mesh.use_cpu_devices(devices)
+    return jax.devices()
 
 
 def main(args) -> int:
     from jaxpar.train import spec as spec_lib
 
+    processes = check_distributed(args)
     spec = spec_lib.parse(args.mesh, schedule=args.schedule, chunks=args.chunks, sequence_parallel=args.sp,
                           recompute=args.recompute, zero=args.zero, attention=args.attention, layout=args.layout,
                           microbatches=1)
     m = 2 * spec.pp if args.microbatches is None else args.microbatches
     spec = spec_lib.ParallelSpec(**{**spec.__dict__, "microbatches": m})
+    data, vocab = open_data(args, spec.tp)
+    every_eval = eval_every(args)
+    devices = local_devices(args, spec, processes)
 
     from jaxpar import reference
 
     layers = 2 * spec.pp * spec.resolved_chunks if args.layers is None else args.layers
     cfg = reference.ModelConfig(n_layers=layers, d_model=args.d_model, n_heads=args.heads, n_kv_heads=args.kv_heads,
-                                head_dim=max(2, args.d_model // args.heads), d_ff=args.ffn, vocab=args.vocab,
+                                head_dim=max(2, args.d_model // args.heads), d_ff=args.ffn, vocab=vocab,
                                 mlp="swiglu", n_experts=args.experts, top_k=min(args.top_k, max(args.experts, 1)),
                                 rope_theta=10000.0, router=args.router, aux_loss=args.aux_loss,
                                 bias_rate=args.bias_rate)
@@ -97,10 +223,9 @@ def main(args) -> int:
         errors.writable_path("directory", args.checkpoint, directory=True)
     if args.log is not None:
         errors.writable_path("log", args.log)
+    if args.profile is not None:
+        errors.writable_path("profile", args.profile, directory=True)
 
-    import jax
-
-    from jaxpar import mesh
     from jaxpar.train.checkpoint import Checkpoints
     from jaxpar.train.loop import fit
     from jaxpar.train.optim import OptimConfig
@@ -108,26 +233,71 @@ def main(args) -> int:
 
     warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
     optim = OptimConfig(lr=args.lr, warmup=min(warmup, args.steps), steps=args.steps, clip=args.clip)
-    if args.platform == "cpu":
-        jax.config.update("jax_platforms", "cpu")
-    mesh.use_cpu_devices(spec.devices if args.devices is None else args.devices)
+    devices = start_jax(args, processes, devices)
     with contextlib.ExitStack() as stack:    # the checkpoints' threads end here, whatever is raised
         ckpt = stack.enter_context(Checkpoints(args.checkpoint, every=args.every)) if args.checkpoint else None
-        trainer = Trainer(cfg, spec, optim, batch_size=batch, seq_len=args.seq, devices=jax.devices()[:spec.devices])
-        _, history = fit(trainer, steps=args.steps, checkpoints=ckpt, log=args.log,
-                         progress=not (args.quiet or args.json))
+        trainer = Trainer(cfg, spec, optim, batch_size=batch, seq_len=args.seq, devices=devices[:spec.devices])
+        _, history = fit(trainer, steps=args.steps, corpus=data, checkpoints=ckpt, log=args.log,
+                         progress=not (args.quiet or args.json), eval_every=every_eval,
+                         eval_batches=args.eval_batches, profile=args.profile)
     return _report(args, trainer, history)
 
 
+def _communication(trainer, history, collectives) -> dict:
+    """What is known of the step's communication: measured from the profile when one was
+    taken and could be read back, else the bytes counted in the compiled program."""
+    from jaxpar.train import throughput
+
+    counted = throughput.collective_bytes(collectives)
+    record = history.profile
+    measured = None
+    if record and record.get("file"):
+        measured = throughput.collective_time(record["file"], trainer.compiled.as_text())
+    if measured is None:
+        return {"source": "compiled program (counted, not timed)", "bytes_per_step": counted}
+    return {"source": f"jax.profiler trace of steps {record['steps'][0]}-{record['steps'][-1]} ({record['file']})",
+            "bytes_per_step": counted, **measured}
+
+
+def _format_communication(c: dict) -> str:
+    from jaxpar.comms import human_bytes
+
+    counted = f"{human_bytes(c['bytes_per_step'])} of collectives per step per device (counted in the compiled step)"
+    if "fraction" in c:
+        return (f"  communication (measured): {100 * c['fraction']:.1f}% of the op time in collectives "
+                f"({c['collective_s'] * 1e3:.1f} of {c['op_s'] * 1e3:.1f} ms summed over devices, waiting included; "
+                f"{c['source']}); {counted}")
+    return f"  communication: {counted}; not timed (--profile DIR measures its share of the time)"
+
+
 def _report(args, trainer, history) -> int:
+    import jax
+
+    lead = jax.process_index() == 0
     if not history.steps:       # resumed from a checkpoint of the last step: nothing to train, nothing to measure
         done = history.resumed_from or 0
-        print(json.dumps({"steps": 0, "resumed_from": done, "history": []}) if args.json else
-              f"nothing to train: the checkpoint is at step {done} of --steps {args.steps}")
+        if lead:
+            print(json.dumps({"steps": 0, "resumed_from": done, "history": []}) if args.json else
+                  f"nothing to train: the checkpoint is at step {done} of --steps {args.steps}")
         return 0
+    from jaxpar.train import loop, throughput
     from jaxpar.train.summary import format_summary, summarize
 
-    summary = summarize(trainer, history, out=args.out)
+    summary = summarize(trainer, history, out=args.out if lead else None)
+    device_kind = trainer.mesh.devices.flat[0].device_kind
+    summary["mfu"] = throughput.mfu(summary["tokens_per_second"], trainer.cfg, trainer.seq_len, trainer.mesh.size,
+                                    device_kind, trainer.dtype)
+    summary["flops_per_token"] = throughput.flops_per_token(trainer.cfg, trainer.seq_len)
+    summary["device_kind"] = device_kind
+    summary["vocab"] = trainer.cfg.vocab
+    summary["processes"] = jax.process_count()
+    rows = loop.local_rows(loop.token_sharding(trainer), (trainer.batch_size, trainer.seq_len + 1))
+    summary["batch_rows"] = [rows.start, rows.stop]        # the rows of each batch this process reads
+    validation = history.validation()
+    summary["val_step"], summary["val_loss"] = validation[-1] if validation else (None, None)
+    summary["communication"] = _communication(trainer, history, summary["collectives"])
+    if not lead:
+        return 0 if summary["collectives_match"] else 1
     if args.json:
         c = summary["collectives"]
         summary["collectives"] = {k: (v.to_json() if hasattr(v, "to_json") else {str(n): b for n, b in v.items()}
@@ -139,4 +309,23 @@ def _report(args, trainer, history) -> int:
         if history.resumed_from is not None:
             print(f"resumed from the checkpoint of step {history.resumed_from}")
         print(format_summary(summary))
+        print(_format_extra(summary, trainer, args))
     return 0 if summary["collectives_match"] else 1
+
+
+def _format_extra(s: dict, trainer, args) -> str:
+    from jaxpar.train import throughput
+
+    peak = throughput.peak_flops(s["device_kind"], trainer.dtype)
+    lines = []
+    if s["processes"] > 1:
+        lines.append(f"  {s['processes']} processes; process 0 read rows {s['batch_rows'][0]}:{s['batch_rows'][1]} "
+                     f"of each batch of {trainer.batch_size}")
+    if s["val_loss"] is not None:
+        lines.append(f"  validation loss {s['val_loss']:.4f} after step {s['val_step']} (mean of --eval-batches "
+                     f"{args.eval_batches} held-out batches)")
+    lines.append(f"  MFU {throughput.format_mfu(s['mfu'])} ({s['flops_per_token']:,} FLOPs/token, 6N + 12·L·H·Q·T; "
+                 + (f"peak {peak:.3g} FLOP/s per {s['device_kind']})" if peak else
+                    f"no peak FLOP/s known for {s['device_kind']!r})"))
+    lines.append(_format_communication(s["communication"]))
+    return "\n".join(lines)

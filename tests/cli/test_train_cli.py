@@ -127,3 +127,73 @@ def test_bad_input_is_one_line(capsys, argv, piece):
     code, out, err = run(capsys, "train", "--steps", "2", *argv, *SMALL[:-1], "--layers", "4", "--batch", "4")
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("jaxpar train: error:") and piece in err, err
+
+
+@pytest.mark.parametrize("argv,piece", [
+    (["--processes", "2"], "--processes without --coordinator"),
+    (["--process-id", "0"], "--process-id without --coordinator"),
+    (["--coordinator", "localhost", "--processes", "2", "--process-id", "0"],
+     "--coordinator 'localhost' is not HOST:PORT"),
+    (["--coordinator", "h:99999", "--processes", "2", "--process-id", "0"], "is not HOST:PORT"),
+    (["--coordinator", "127.0.0.1:1234", "--processes", "2", "--process-id", "2"], "ids run from 0 to 1"),
+    (["--coordinator", "127.0.0.1:1234", "--processes", "2"], "needs --processes N and --process-id I"),
+    (["--distributed", "auto", "--processes", "2"], "without --coordinator, --processes and --process-id"),
+    (["--eval-every", "-1"], "--eval-every -1"),
+    (["--data", "/no-such-jaxpar-data"], "does not exist"),
+])
+def test_bad_multiprocess_data_and_eval_flags_are_one_line(capsys, argv, piece):
+    code, out, err = run(capsys, "train", "--mesh", "dp=2", "--steps", "2", *argv, *SMALL)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("jaxpar train: error:") and piece in err, err
+
+
+@pytest.fixture(scope="module")
+def text_data(tmp_path_factory):
+    """A tokenized text directory (`jaxpar data prepare`): a 300-token BPE of some prose."""
+    from jaxpar.train import text
+
+    root = tmp_path_factory.mktemp("text")
+    (root / "a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 400 + "Pack my box with five "
+                                "dozen liquor jugs. " * 200, encoding="utf-8")
+    text.prepare([root / "a.txt"], root / "data", vocab_size=300, validation=0.1)
+    return root / "data"
+
+
+def test_data_refused_before_compiling(capsys, tmp_path, text_data):
+    (tmp_path / "empty").mkdir()
+    code, out, err = run(capsys, "train", "--mesh", "dp=2", "--steps", "2", "--data", str(tmp_path / "empty"), *SMALL)
+    assert code == 2 and err.count("\n") == 1 and "without tokens" in err, err
+    code, out, err = run(capsys, "train", "--mesh", "dp=2", "--steps", "2", "--data", str(text_data), *SMALL)
+    assert code == 2 and err.count("\n") == 1 and "is larger than the model's --vocab 32" in err, err
+
+
+def test_training_on_text_with_validation_and_a_profile(capsys, tmp_path, text_data):
+    """--data: the model's vocabulary is the data's rounded up to a multiple of tp;
+    validation every steps/10 steps by default (here every step) in the JSON rows and
+    the log; --profile measures the share of op time in collectives."""
+    from jaxpar.train.text import TokenData
+
+    log = tmp_path / "steps.jsonl"
+    small = [a for a in SMALL if a != "--quiet"]
+    small = small[:small.index("--vocab")] + small[small.index("--vocab") + 2:]
+    code, out, err = run(capsys, "train", "--mesh", "dp=2,pp=2,tp=2", "--steps", "4", "--data", str(text_data),
+                         "--eval-batches", "1", "--log", str(log), "--profile", str(tmp_path / "trace"),
+                         "--out", str(tmp_path), "--json", *small)
+    assert code == 0, err
+    data = json.loads(out)
+    vocab = TokenData(text_data).vocab
+    assert data["vocab"] == vocab + vocab % 2 and data["mfu"] is None and data["processes"] == 1
+    assert [("val_loss" in r) for r in data["history"]] == [True] * 4 and data["val_loss"] == data["history"][-1][
+        "val_loss"]
+    assert [json.loads(line) for line in log.read_text().splitlines()] == data["history"]
+    c = data["communication"]
+    assert c["source"].startswith("jax.profiler trace of steps 1-3") and 0 < c["fraction"] < 1 and c["bytes_per_step"]
+    assert data["batch_rows"] == [0, 8]       # one process reads every row of the batch (dp x 4 microbatches)
+
+
+def test_the_text_summary_says_what_was_measured(capsys, tmp_path):
+    code, out, err = run(capsys, *ZERO1, "--eval-every", "2", "--out", str(tmp_path))
+    assert code == 0, err
+    assert "validation loss" in out and "after step 2 (mean of --eval-batches 4 held-out batches)" in out
+    assert "MFU n/a (" in out and "no peak FLOP/s known for 'cpu'" in out
+    assert "communication: " in out and "counted in the compiled step); not timed" in out

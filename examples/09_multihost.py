@@ -14,9 +14,10 @@ processes. Each process
      it holds (`addressable_shards`) with the same slices of `reference.block` run
      locally: output, input gradient and every parameter gradient;
   2. trains the composed model (`train.Trainer`, dp=2 x pp=2 x tp=2, 1F1B over 2
-     microbatches) for 10 steps with `train.fit`: every process feeds the same host batch,
-     each device gets its part (`Trainer.put`), the dp gradient reduction crosses the
-     processes. Process 0 prints the losses.
+     microbatches) for 10 steps with `train.fit`: each process reads only the rows of
+     every batch its own devices hold (`train.loop.global_batch`: process 0 the first dp
+     half, process 1 the second), the dp gradient reduction crosses the processes.
+     Process 0 prints the losses.
 
 Meanwhile the launcher trains the same model on one device (`train.reference_trainer`,
 the unsharded model and the same AdamW on the same batches) and checks that the two
@@ -30,6 +31,15 @@ devices, no launcher): here 2 hosts of 4 GPUs each (CUDA_VISIBLE_DEVICES=0,1,2,3
     host1$ python examples/09_multihost.py --process-id 1 --processes 2 --coordinator 10.0.0.1:12355
 
 (`--local-devices` only sets fake CPU devices; it is ignored where GPUs are present.)
+
+The command line trains the same way, one command per process (`--devices`: each
+process's fake CPU devices; process 0 prints the summary, `--json` its losses):
+
+    host0$ jaxpar train --mesh dp=2,pp=2,tp=2 --coordinator 10.0.0.1:12355 --processes 2 --process-id 0
+    host1$ jaxpar train --mesh dp=2,pp=2,tp=2 --coordinator 10.0.0.1:12355 --processes 2 --process-id 1
+    $ srun -N 2 jaxpar train --mesh dp=2,pp=2,tp=2 --distributed auto     # SLURM names the ranks
+
+(tests/cli/test_train_multihost.py runs it as 2 processes x 4 CPU devices on loopback.)
 """
 
 import argparse

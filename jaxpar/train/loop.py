@@ -129,16 +129,15 @@ def _identity(x):
 
 def global_batch(trainer: Trainer, read) -> jax.Array:
     """The global batch int[B, T+1] on `trainer`'s mesh, of which this process reads only
-    the rows its devices hold: read(rows) -> those rows (rows=None: the whole batch, when
-    this process holds every row). Built split by rows (`token_sharding`), then gathered to
-    the replicated layout `Trainer.step` takes: the step's compiled program is unchanged,
-    and no process ever reads the whole batch from its data. (Were the step lowered with
-    `token_sharding`'s layout for its tokens, the gather would go.)"""
+    the rows its devices hold: read(rows=...) -> those rows (rows=None: the whole batch,
+    when this process holds every row). Built split by rows (`token_sharding`), then
+    gathered to the replicated layout `Trainer.step` takes: the step's compiled program is
+    unchanged, and no process reads the whole batch from its data. (Were the step
+    lowered with `token_sharding`'s layout for its tokens, the gather would go.)"""
     sharding = token_sharding(trainer)
     shape = (trainer.batch_size, trainer.seq_len + 1)
     rows = local_rows(sharding, shape)
-    whole = rows == slice(0, shape[0])
-    local = _check_tokens(read(None if whole else rows), rows, trainer)
+    local = _check_tokens(read(rows=None if rows == slice(0, shape[0]) else rows), rows, trainer)
 
     def block(index):
         start, stop = index[0].indices(shape[0])[:2]
@@ -166,18 +165,12 @@ def eval_loss(trainer: Trainer, state: TrainState, tokens) -> float:
 
 def validation_loss(trainer: Trainer, state: TrainState, data, batches: int) -> float:
     """The mean of `eval_loss` over validation batches 0 .. batches-1 of `data`."""
+    params, _, _ = trainer.canonical(state)        # once for every batch
     total = 0.0
     for k in range(batches):
         read = functools.partial(data.validation_batch, k, batch_size=trainer.batch_size, seq_len=trainer.seq_len)
-        total += eval_loss(trainer, state, global_batch(trainer, _rows_keyword(read)))
+        total += float(_reference_loss(params, global_batch(trainer, read), trainer.cfg))
     return total / batches
-
-
-def _rows_keyword(read):
-    """read(rows) for a reader taking rows= as a keyword (None: the whole batch)."""
-    def call(rows):
-        return read() if rows is None else read(rows=rows)
-    return call
 
 
 # ---- profiling ----------------------------------------------------------------------------------
@@ -281,7 +274,7 @@ def fit(trainer: Trainer, *, steps: int, corpus=None, state: TrainState | None =
     try:
         for i in range(start, steps):
             read = functools.partial(corpus.batch, i, batch_size=trainer.batch_size, seq_len=trainer.seq_len)
-            batch = global_batch(trainer, _rows_keyword(read))
+            batch = global_batch(trainer, read)
             profiler.before(i)
             t0 = time.perf_counter()
             state, metrics = trainer.step(state, batch)

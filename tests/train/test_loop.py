@@ -1,6 +1,7 @@
 """train.loop.fit: the progress line, validation losses against the reference, each
 process's rows of a batch, the profile, and the refusals."""
 
+import functools
 import json
 
 import jax
@@ -79,7 +80,7 @@ def test_no_progress_line_when_off_and_no_val_loss_without_eval(trainer, capsys)
 
 def test_the_global_batch_is_the_corpus_batch_replicated(trainer):
     corpus = Corpus(vocab=CFG.vocab)
-    batch = loop.global_batch(trainer, lambda rows: corpus.batch(3, batch_size=BATCH, seq_len=T, rows=rows))
+    batch = loop.global_batch(trainer, functools.partial(corpus.batch, 3, batch_size=BATCH, seq_len=T))
     assert batch.sharding == NamedSharding(trainer.mesh, P())          # what Trainer.step takes as is
     np.testing.assert_array_equal(np.asarray(batch), corpus.batch(3, batch_size=BATCH, seq_len=T))
     assert loop.token_sharding(trainer).spec == P("dp")                 # split by rows as the step's batch

@@ -222,11 +222,11 @@ class _ProgressLine(tqdm):
         return {**super().format_dict, "stats": self.stats}
 
 
-def _progress_text(history: History, trainer: Trainer, tokens: int, device_kind: str) -> str:
+def _progress_text(history: History, trainer: Trainer, tokens: int, device_kind: str, val: float | None) -> str:
+    """'loss 3.2548  val 3.3914  1,628 tok/s  20 ms/step  MFU n/a' (val: the last validation loss)."""
     tok_s = history.tokens_per_second(tokens)
     mfu = throughput.mfu(tok_s, trainer.cfg, trainer.seq_len, trainer.mesh.size, device_kind, trainer.dtype)
-    val = history.validation()
-    parts = [f"loss {history.losses[-1]:.4f}"] + ([f"val {val[-1][1]:.4f}"] if val else []) + [
+    parts = [f"loss {history.losses[-1]:.4f}"] + ([f"val {val:.4f}"] if val is not None else []) + [
         f"{tok_s:,.0f} tok/s", f"{1e3 * history.step_seconds():.0f} ms/step", f"MFU {throughput.format_mfu(mfu)}"]
     return "  ".join(parts)
 
@@ -269,6 +269,7 @@ def fit(trainer: Trainer, *, steps: int, corpus=None, state: TrainState | None =
     device_kind = trainer.mesh.devices.flat[0].device_kind
     profiler = _Profile(profile, start + 1 if steps - start > 1 else start, profile_steps)
     out = open(log, "a") if log and lead else None
+    last_val = None
     bar = _ProgressLine(total=steps, initial=start, disable=not (progress and lead and steps > start),
                         dynamic_ncols=True, bar_format="step {n_fmt}/{total_fmt} |{bar:16}| {stats}")
     try:
@@ -288,6 +289,7 @@ def fit(trainer: Trainer, *, steps: int, corpus=None, state: TrainState | None =
             history.seconds.append(dt)
             measure = eval_every is not None and ((i + 1) % eval_every == 0 or i + 1 == steps)
             history.val_losses.append(validation_loss(trainer, state, corpus, eval_batches) if measure else None)
+            last_val = history.val_losses[-1] if measure else last_val
             if out:
                 out.write(json.dumps(history.row(-1)) + "\n")
                 out.flush()
@@ -296,7 +298,7 @@ def fit(trainer: Trainer, *, steps: int, corpus=None, state: TrainState | None =
             if on_step is not None:
                 on_step(i, metrics)
             if not bar.disable:
-                bar.stats = _progress_text(history, trainer, tokens, device_kind)
+                bar.stats = _progress_text(history, trainer, tokens, device_kind, last_val)
                 bar.update(1)
         profiler.stop()
         history.profile = profiler.record()

@@ -131,29 +131,45 @@ def is_collective(opcode: str) -> bool:
     return opcode.removesuffix("-start").removesuffix("-done") in comms.KINDS
 
 
+# the line of a GPU's or TPU's plane in a trace that holds one event per HLO instruction
+# run (its other lines hold kernels, modules, steps); CPU traces have none: their op
+# events are on the threads that ran them
+DEVICE_OPS_LINE = "XLA Ops"
+
+
 def collective_time(profile_file: str, hlo: str) -> dict[str, float] | None:
     """{"collective_s", "op_s", "fraction"} from a profile (`jax.profiler.trace`'s
     .xplane.pb) of runs of the program whose HLO is `hlo`: the summed durations of the
-    events named after the program's instructions, over every device (or, on CPU, every
-    thread that ran them), and the part of it in collectives (waiting for the rest of
-    the group included). Only innermost events count: a loop's or a branch's event
-    holds its body's, which count themselves. None when no event of the program is in
-    the file."""
+    events named after the program's instructions, over every device (the devices'
+    "XLA Ops" lines; on CPU, every thread that ran one), and the part of it in
+    collectives (waiting for the rest of the group included). Only innermost events
+    count: a loop's or a branch's event holds its body's, which count themselves. None
+    when no event of the program is in the file."""
     kinds = instruction_kinds(hlo)
+    lines = [line for plane in jax.profiler.ProfileData.from_file(profile_file).planes for line in plane.lines]
+    device_ops = [line for line in lines if line.name == DEVICE_OPS_LINE]
     collective = total = 0
-    for plane in jax.profiler.ProfileData.from_file(profile_file).planes:
-        for line in plane.lines:
-            ops = sorted(((event.start_ns, event.end_ns, kinds[event.name]) for event in line.events
-                          if event.name in kinds), key=lambda op: (op[0], -op[1]))
-            for k, (start, end, opcode) in enumerate(ops):
-                if k + 1 < len(ops) and ops[k + 1][0] < end:
-                    continue        # it encloses the next one: one thread runs one op at a time
-                total += end - start
-                if is_collective(opcode):
-                    collective += end - start
+    for line in device_ops or lines:
+        for start, end, opcode in _innermost(line, kinds):
+            total += end - start
+            if is_collective(opcode):
+                collective += end - start
     if not total:
         return None
     return {"collective_s": collective * 1e-9, "op_s": total * 1e-9, "fraction": collective / total}
+
+
+def _innermost(line, kinds: dict[str, str]) -> list[tuple[int, int, str]]:
+    """(start ns, end ns, opcode) of the events on one line of a trace named after an
+    instruction in `kinds`, leaving out each that encloses the next (one line runs one op
+    at a time, so an event that overlaps the next holds it: a loop, a branch)."""
+    ops = sorted(((event.start_ns, event.end_ns, kinds[event.name]) for event in line.events
+                  if event.name in kinds), key=_start_then_longest)
+    return [op for k, op in enumerate(ops) if not (k + 1 < len(ops) and ops[k + 1][0] < op[1])]
+
+
+def _start_then_longest(op: tuple[int, int, str]) -> tuple[int, int]:
+    return op[0], -op[1]
 
 
 def collective_bytes(collectives: dict) -> float:

@@ -4,6 +4,7 @@ matmuls, the peak table, MFU, and reading collective time from a profile."""
 import dataclasses
 import glob
 import math
+from types import SimpleNamespace
 
 import jax
 import jax.extend.core
@@ -124,3 +125,15 @@ def test_collective_time_from_a_profile(tmp_path):
 def test_collective_kinds():
     assert throughput.is_collective("all-reduce") and throughput.is_collective("all-gather-start")
     assert throughput.is_collective("collective-permute-done") and not throughput.is_collective("fusion")
+
+
+def test_only_innermost_events_count():
+    """A while loop's event holds its body's ops (on one thread one op runs at a time):
+    the loop is left out, the ops inside and after it count; names outside the program
+    are not ops of it."""
+    def event(name, start, end):
+        return SimpleNamespace(name=name, start_ns=start, end_ns=end)
+    line = SimpleNamespace(events=[event("while.1", 0, 100), event("dot.2", 10, 40), event("all-reduce.3", 40, 90),
+                                   event("Rendezvous", 50, 60), event("add.4", 120, 130)])
+    kinds = {"while.1": "while", "dot.2": "dot", "all-reduce.3": "all-reduce", "add.4": "add"}
+    assert throughput._innermost(line, kinds) == [(10, 40, "dot"), (40, 90, "all-reduce"), (120, 130, "add")]

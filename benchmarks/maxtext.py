@@ -16,7 +16,9 @@ jaxpar runs `jaxpar.train.Trainer`. Sizes (batch 16 x 128 tokens, vocab as below
              (every matrix twice as wide on both sides: 4x the parameters)
 
 The MoE row gives every block 8 experts of d_ff (top-2, softmax over the chosen two,
-nothing dropped) instead of the dense MLP.
+nothing dropped) instead of the dense MLP. MaxText runs it on its dense path (every
+expert on every token, 4x top-2's expert math): its grouped-matmul path needs
+`ragged-all-to-all`, which XLA:CPU does not implement.
 
 Each side runs `--steps` steps in a fresh process on 8 fake CPU devices (XLA_FLAGS=
 --xla_force_host_platform_device_count=8, nothing else), one mesh at a time, MaxText
@@ -133,8 +135,11 @@ def maxtext_model_keys(cfg: reference.ModelConfig) -> dict:
             "vocab_size": cfg.vocab, "logits_via_embedding": "false",
             "normalization_layer_epsilon": cfg.norm_eps, "rope_max_timescale": int(cfg.rope_theta)}
     if cfg.n_experts:
-        # every block an MoE of experts as wide as the dense MLP; jax.lax.ragged_dot for the
-        # grouped matmuls (megablox is a TPU kernel); capacity_factor -1: nothing dropped
+        # every block an MoE of experts as wide as the dense MLP. MaxText's dense path: its
+        # grouped-matmul path (sparse_matmul) does not run on XLA:CPU with ep > 1 (its
+        # ragged-all-to-all is unimplemented there; use_ring_of_experts fails in
+        # jax.lax.ragged_dot), so every expert runs on every token; capacity_factor -1:
+        # nothing dropped, as in jaxpar
         keys |= {"num_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k, "base_moe_mlp_dim": cfg.d_ff,
                  "sparse_matmul": "false", "capacity_factor": -1.0}
     return keys

@@ -14,7 +14,10 @@ Counting rules (tests pin each one):
     run time. Such ops are flagged (`CollectiveOp.conditional`; `in_conditional` in the
     stats), so a test of "measured == formula" can tell an estimate from a count;
   * async pairs (`all-gather-start` / `-done`) count once; combined (tuple) collectives
-    count once with the bytes of all their operands.
+    count once with the bytes of all their operands; with split_combined=True, an
+    all-reduce that XLA's combiner merged from separate JAX collectives (its op_name lists
+    theirs, `prefix/(name_1:name_2:...)`, one per tuple element) counts as the collectives
+    it was, each with its own bytes and scope (`_split_combined`).
 
 Bytes are the *logical* size of the collective, the same on every device, so that the
 lecture's formulas read directly:
@@ -147,8 +150,34 @@ def _operand_bytes(instr: _Instr, types: dict[str, str]) -> float:
     return sum(_type_bytes(types.get(n, "")) for n in re.findall(r"%([\w.\-]+)", args))
 
 
-def collective_ops_from_hlo(hlo: str) -> list[CollectiveOp]:
-    """Every collective of an optimised HLO module, with how often it runs."""
+def _names(merged: str) -> list[str]:
+    """'a:b(c:d):e' -> ['a', 'b(c:d)', 'e']: split at the colons outside parentheses."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(merged):
+        depth += (ch == "(") - (ch == ")")
+        if ch == ":" and depth == 0:
+            out.append(merged[start:i])
+            start = i + 1
+    return out + [merged[start:]]
+
+
+def _split_combined(op: CollectiveOp, type_str: str) -> list[CollectiveOp]:
+    """A combined all-reduce as the collectives it was made of (each tuple element with its
+    own bytes and op_name), when its op_name names one per element; else [op]."""
+    cut = op.scope.find("/(")
+    elements = _ARRAY.findall(type_str)
+    if op.kind != "all-reduce" or not type_str.startswith("(") or cut < 0 or not op.scope.endswith(")"):
+        return [op]
+    prefix, names = op.scope[:cut + 1], _names(op.scope[cut + 2:-1])
+    if len(names) != len(elements) or len(names) < 2:
+        return [op]
+    return [dataclasses.replace(op, bytes=_type_bytes(f"{dtype}[{dims}]"), scope=prefix + name)
+            for (dtype, dims), name in zip(elements, names)]
+
+
+def collective_ops_from_hlo(hlo: str, *, split_combined: bool = False) -> list[CollectiveOp]:
+    """Every collective of an optimised HLO module, with how often it runs (split_combined:
+    an all-reduce XLA merged from named JAX collectives as those collectives)."""
     comps, types, entry = _parse(hlo)
     m = _PARTITIONS.search(hlo)
     partitions = int(m.group(1)) if m else 1
@@ -162,8 +191,8 @@ def collective_ops_from_hlo(hlo: str) -> list[CollectiveOp]:
                 n = 2 if kind == "collective-permute" else _group_size(instr.rest, partitions)
                 logical = operand * n if kind == "all-gather" else operand
                 scope = _OP_NAME.search(instr.rest)
-                ops.append(CollectiveOp(kind, instr.name, comp, logical, n, executions,
-                                        scope=scope.group(1) if scope else ""))
+                op = CollectiveOp(kind, instr.name, comp, logical, n, executions, scope=scope.group(1) if scope else "")
+                ops += _split_combined(op, instr.type_str) if split_combined else [op]
             if instr.opcode == "while":
                 callees = dict(_CALLS.findall(instr.rest))
                 trip = _TRIP.search(instr.rest)

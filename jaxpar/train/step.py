@@ -45,6 +45,7 @@ from jaxpar.data import zero
 from jaxpar.data.reduce import reduce_gradients
 from jaxpar.mesh import CP, DP, EP, PP, TP
 from jaxpar.pipeline import runtime
+from jaxpar.pipeline.direct import Direct
 from jaxpar.pipeline.stage import from_stages, to_microbatches, to_stages
 from jaxpar.train import balance
 from jaxpar.train import model as model_lib
@@ -159,7 +160,9 @@ class Trainer:
     # ---- the step -------------------------------------------------------------------------
 
     def _build(self):
-        program, req = self.local.program, self.local.request
+        req = self.local.request
+        # one stage: nothing to schedule, the plain value_and_grad (pipeline.direct)
+        program = Direct(req) if self.spec.pp == 1 else self.local.program
         m, tx, clip = self.schedule.microbatches, self.tx, self.optim.clip
         batch_axes = req.batch_axes
         pp = (PP,) if self.spec.pp > 1 else ()

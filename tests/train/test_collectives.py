@@ -27,7 +27,9 @@ def test_one_step_runs_the_formulas_collectives(name):
     assert c["reductions"] == c["expected_reductions"]
     assert c["zero"] == c["expected_zero"] and (c["zero"]["all-gather"] > 0) == bool(spec.zero)
     for d in range(spec.pp):
-        assert c["stages"][d] == c["expected_stages"][d], (d, c["stages"][d], c["expected_stages"][d])
+        # one stage (pipeline.direct): the formula bounds each kind's bytes (summary.stage_matches)
+        assert summary.stage_matches(c["stages"][d], c["expected_stages"][d], direct=spec.pp == 1), (
+            d, c["stages"][d], c["expected_stages"][d])
         assert c["stages"][d]                       # tp > 1: something runs in every stage
     assert summary.matches(c)
 

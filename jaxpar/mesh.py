@@ -46,8 +46,12 @@ def _backends_started() -> bool:
     return False
 
 
-def use_cpu_devices(n: int) -> int:
+def use_cpu_devices(n: int, *, threads_per_device: int = 8) -> int:
     """Ask for `n` fake CPU devices. Must run before JAX starts its backends.
+
+    threads_per_device sizes XLA:CPU's thread pool (`_enough_threads`): 8 leaves room for
+    a pipeline's concurrent collectives; a program without a pipeline (pp = 1) needs 2,
+    and a larger pool only costs it time (idle threads contending for the cores).
 
     A count already set through XLA_FLAGS (--xla_force_host_platform_device_count=K)
     is respected: it wins over `n`, and K is returned. Calling this after JAX has
@@ -73,22 +77,22 @@ def use_cpu_devices(n: int) -> int:
         )
     if not flags:
         jax.config.update("jax_num_cpu_devices", n)
-    _enough_threads(wanted)
+    _enough_threads(wanted, whole("threads_per_device", threads_per_device, maximum=64))
     return wanted
 
 
-def _enough_threads(devices: int) -> None:
+def _enough_threads(devices: int, per_device: int = 8) -> None:
     """Give XLA:CPU's thread pool room for every fake device's blocked collectives.
 
     XLA:CPU runs the independent operations of a program concurrently on one pool of
     threads (as many as cores, or NPROC), and a collective holds its thread until every
     member of its group arrives. With 8 fake devices on 2 cores, two ready collectives
     per device (a pipeline send and the next stage's tp all-reduce) can take every thread
-    while their partners wait for one: the program hangs. So the pool gets at least 8
-    threads per device (NPROC, read by XLA's CPU client when it starts); a value the
-    user set is kept. Other backends are unaffected."""
+    while their partners wait for one: the program hangs. So the pool gets at least
+    `per_device` threads per device (8 by default; NPROC, read by XLA's CPU client when it
+    starts); a value the user set is kept. Other backends are unaffected."""
     if "NPROC" not in os.environ:
-        os.environ["NPROC"] = str(max(os.cpu_count() or 1, 8 * devices))
+        os.environ["NPROC"] = str(max(os.cpu_count() or 1, per_device * devices))
 
 
 def make_mesh(*, devices: Sequence[jax.Device] | None = None, **sizes: int) -> Mesh:

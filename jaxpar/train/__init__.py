@@ -9,8 +9,11 @@
                 loads for DeepSeek-V3's router bias
     optim       OptimConfig: optax AdamW, warm-up + cosine, the true global norm
     data        Corpus: the generated training text
+    text        real text: prepare (byte-level BPE, train/val split), TokenData (memory-mapped)
     checkpoint  Checkpoints: orbax, canonical layout, restorable on any mesh
-    loop        fit: the loop, progress bar, resume
+    loop        fit: the loop, progress line (tqdm), validation loss, resume, each
+                process reading only its own rows of a batch
+    throughput  model FLOPs per token, peak FLOP/s by device, MFU
     summary     a run's loss curve, tokens/s, memory, collectives against the formulas
     stages      the reference model as pipeline stages over dp x pp x tp (`pp_tp_loss`)
     verify      against the unsharded model (`jaxpar verify pp-tp`, `jaxpar verify train`)
@@ -24,6 +27,7 @@ _EXPORTS = {
     "step": ("Trainer", "TrainState", "reference_trainer"),
     "optim": ("OptimConfig",),
     "data": ("Corpus",),
+    "text": ("TokenData", "prepare", "check_vocab"),
     "checkpoint": ("CheckpointError", "Checkpoints"),
     "loop": ("History", "fit"),
 }

@@ -175,6 +175,23 @@ def _init_params(key: jax.Array, cfg: ModelConfig, dtype) -> dict:
     }
 
 
+def statistics_dtype(dtype):
+    """The dtype a softmax's max and sum, a logsumexp and the loss are computed in for
+    inputs of `dtype`: at least float32 (bfloat16 -> float32; float32, float64 unchanged)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def cast(params, dtype=None):
+    """Mixed precision's one cast: every floating leaf of `params` as `dtype` (None, or a
+    leaf already of it: unchanged, so float32 and float64 programs stay as they were). Its
+    transpose carries the gradients back into the leaves' own dtype."""
+    if dtype is None:
+        return params
+    dtype = jnp.dtype(dtype)
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != dtype
+                        else a, params)
+
+
 def layer_params(params: dict, i: int) -> dict:
     """The block parameters of layer i (one slice of the stacked `blocks`)."""
     return jax.tree.map(lambda a: a[i], params["blocks"])
@@ -203,12 +220,16 @@ def attention(q, k, v, *, causal: bool = True):
                           f"query heads. Fix: K in ({errors.divisors(N)})")
     k = jnp.repeat(k, N // K, axis=2)
     v = jnp.repeat(v, N // K, axis=2)
-    scores = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(jnp.asarray(H, q.dtype))
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k)
+    stats = statistics_dtype(scores.dtype)
+    if stats != scores.dtype:     # bf16 (mixed precision): the softmax's max and sum in float32, as MaxText's
+        scores = scores.astype(stats)     # float32 logits; the products themselves stay bf16
+    scores = scores / jnp.sqrt(jnp.asarray(H, scores.dtype))
     if causal:
         mask = jnp.arange(T)[:, None] + (S - T) >= jnp.arange(S)[None, :]
         scores = jnp.where(mask, scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("bnts,bsnh->btnh", weights, v)
+    return jnp.einsum("bnts,bsnh->btnh", weights.astype(v.dtype) if stats != v.dtype else weights, v)
 
 
 def rope(x, positions, theta: float):
@@ -365,8 +386,10 @@ def forward(params: dict, tokens, cfg: ModelConfig):
 
 
 def cross_entropy(logits, targets):
-    """Mean over tokens of -log softmax(logits)[target]. logits [..., V], targets int[...]."""
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    """Mean over tokens of -log softmax(logits)[target]. logits [..., V], targets int[...].
+    bf16 logits are cast to float32 first (the logsumexp and the loss in float32)."""
+    stats = statistics_dtype(logits.dtype)
+    logp = jax.nn.log_softmax(logits if stats == logits.dtype else logits.astype(stats), axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
@@ -376,21 +399,24 @@ def lm_head_loss(x, final_norm, unembed, targets, eps: float = 1e-6):
     return cross_entropy(rms_norm(x, final_norm, eps) @ unembed, targets)
 
 
-def loss_and_balance(params: dict, tokens, cfg: ModelConfig):
+def loss_and_balance(params: dict, tokens, cfg: ModelConfig, compute_dtype=None):
     """(`loss`, {"aux": [L, B], "load": [L, E]}): the loss and the balancing terms it was
-    made of (`forward_and_balance`), for a trainer's bias update."""
+    made of (`forward_and_balance`), for a trainer's bias update. compute_dtype: see `loss`."""
     shape = errors.array("tokens", tokens, ndim=2, kinds="iu", shape_doc="tokens[batch, seq + 1] of token ids")
     if shape[1] < 2:
         raise ConfigError(f"tokens has shape {shape}: next-token prediction needs at least 2 positions per row")
-    logits, aux, load = forward_and_balance(params, tokens[:, :-1], cfg)
+    logits, aux, load = forward_and_balance(cast(params, compute_dtype), tokens[:, :-1], cfg)
     total = cross_entropy(logits, tokens[:, 1:])
     if cfg.aux_loss:
         total = total + cfg.aux_loss * jnp.sum(jnp.mean(aux, axis=1))
     return total, {"aux": aux, "load": load}
 
 
-def loss(params: dict, tokens, cfg: ModelConfig):
+def loss(params: dict, tokens, cfg: ModelConfig, compute_dtype=None):
     """Next-token cross-entropy: position t predicts token t+1, plus aux_loss times the
     balance loss (summed over layers, mean over sequences) when aux_loss > 0.
-    tokens: int[B, T+1]."""
-    return loss_and_balance(params, tokens, cfg)[0]
+    tokens: int[B, T+1]. compute_dtype (e.g. jnp.bfloat16; None: the params' own): mixed
+    precision, the params cast to it before any layer (`cast`), the layers run in it, the
+    attention's softmax and the loss in float32 (`statistics_dtype`); the gradients come
+    back in the params' dtype."""
+    return loss_and_balance(params, tokens, cfg, compute_dtype)[0]

@@ -99,7 +99,12 @@ def cross_entropy_shard(logits, targets, *, axis: str = TP):
     loss = log sum_v exp(l_v) - l_target, with the max subtracted for stability: global
     max (pmax), global sum of exp (psum), the target's logit from the one shard that has
     it (psum). Autodiff of these gives softmax - onehot on each shard, with no collective.
+    bf16 logits (mixed precision) are cast to float32 first: the max, the sum of exp, the
+    target's logit and the loss are float32, and so are the all-reduces over tp.
     """
+    stats = reference.statistics_dtype(logits.dtype)
+    if stats != logits.dtype:
+        logits = logits.astype(stats)
     v_local = logits.shape[-1]
     start, stop = _vocab_range(v_local, axis)
     # The max only stabilises; its gradient cancels, so it is held constant.

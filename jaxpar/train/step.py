@@ -85,6 +85,9 @@ class Trainer:
     seq_len: int = 16
     devices: Any = None
     dtype: Any = jnp.float32
+    # mixed precision (MaxText's dtype / weight_dtype): the layers run in compute_dtype
+    # (jnp.bfloat16), the state (master weights, AdamW) stays in dtype; None: compute in dtype
+    compute_dtype: Any = None
 
     def __post_init__(self):
         if not isinstance(self.spec, ParallelSpec):
@@ -93,8 +96,11 @@ class Trainer:
             raise ConfigError(f"optim is a {type(self.optim).__name__}, not a jaxpar.train.OptimConfig")
         devices = list(jax.devices() if self.devices is None else self.devices)
         self.spec.check(self.cfg, batch_size=self.batch_size, seq_len=self.seq_len, n_devices=len(devices))
+        compute = _compute_dtype(self.compute_dtype, self.dtype)
+        # the dtype the layers run in when it is not the state's (None: no cast at all)
+        self.compute_dtype = None if compute == jnp.dtype(self.dtype) else compute
         key = (self.cfg, self.spec, self.optim, self.batch_size, self.seq_len, tuple(devices),
-               jnp.dtype(self.dtype).name)
+               jnp.dtype(self.dtype).name, compute.name)
         built = _BUILT.get(key)
         if built is not None:          # the same request: the same jitted and compiled step
             self.__dict__.update({k: v for k, v in built.__dict__.items() if k not in ("devices",)})
@@ -179,11 +185,15 @@ class Trainer:
 
         def per_device(state, inputs, targets):
             params = state.params
-            blocks = jax.tree.map(lambda a: a[0], params["blocks"])
+            # mixed precision: the weights as the layers use them, cast before any layer
+            weights = reference.cast(params, self.compute_dtype)
+            blocks = jax.tree.map(lambda a: a[0], weights["blocks"])
             if balancing:
                 blocks = {**blocks, balance.STATS: balance.slots(blocks, cfg, tp, self.dtype)}
             xs, ts = to_microbatches(inputs, m), to_microbatches(targets, m)            # [m, mb, ...]
-            loss, g_blocks, _, g_first, g_last = program(blocks, xs, ts, params["first"], params["last"])
+            loss, g_blocks, _, g_first, g_last = program(blocks, xs, ts, weights["first"], weights["last"])
+            if self.compute_dtype is not None:      # the cast's transpose: reductions and AdamW in dtype
+                g_blocks, g_first, g_last = reference.cast((g_blocks, g_first, g_last), self.dtype)
             if balancing:
                 g_blocks = dict(g_blocks)
                 load, aux = balance.totals(g_blocks.pop(balance.STATS), stats_axes)   # [v, Lc, E], [v, Lc]
@@ -299,23 +309,43 @@ class Trainer:
                                                  opt=self.tx.init(self.shapes)))
 
 
-def reference_trainer(cfg: reference.ModelConfig, optim: optim_lib.OptimConfig):
+def reference_trainer(cfg: reference.ModelConfig, optim: optim_lib.OptimConfig, compute_dtype=None):
     """The unsharded step the parity tests compare against: (params, opt, tokens) ->
     (params, opt, loss, norm), reference.loss with optax.tree.norm and the same AdamW;
     the router bias, if any, moved by the whole batch's load (`balance.update_bias`). One
-    (tx, step) per (cfg, optim): the step's compiled programs are shared by every caller."""
-    key = (cfg, optim)
+    (tx, step) per (cfg, optim, compute_dtype): the step's compiled programs are shared by
+    every caller. compute_dtype: mixed precision, as `Trainer`'s (reference.loss's casts)."""
+    key = (cfg, optim) if compute_dtype is None else (cfg, optim, jnp.dtype(compute_dtype).name)
     if key not in _REFERENCE:
-        _REFERENCE[key] = _reference_step(cfg, optim)
+        _REFERENCE[key] = _reference_step(cfg, optim, compute_dtype)
     return _REFERENCE[key]
 
 
-def _reference_step(cfg: reference.ModelConfig, optim: optim_lib.OptimConfig):
+def _compute_dtype(compute_dtype, dtype) -> np.dtype:
+    """The dtype the trainer's layers run in: compute_dtype (None: dtype), refused unless
+    float32 or bfloat16 (or float64 under jax_enable_x64)."""
+    if compute_dtype is None:
+        return jnp.dtype(dtype)
+    allowed = ("float32", "bfloat16") + (("float64",) if jax.config.jax_enable_x64 else ())
+    try:
+        name = jnp.dtype(compute_dtype).name
+    except (TypeError, ValueError):
+        name = None
+    if name not in allowed:
+        x64 = "" if jax.config.jax_enable_x64 else " (float64 with jax_enable_x64)"
+        raise ConfigError(f"compute_dtype={compute_dtype!r}: the layers run in one of {', '.join(allowed)}{x64}. "
+                          "Fix: compute_dtype=jnp.bfloat16 (mixed precision: float32 weights and AdamW, bf16 "
+                          "layers) or None (compute in dtype)")
+    return jnp.dtype(name)
+
+
+def _reference_step(cfg: reference.ModelConfig, optim: optim_lib.OptimConfig, compute_dtype=None):
     tx = optim.transform()
 
     @jax.jit
     def step(params, opt, tokens):
-        (loss, terms), grads = jax.value_and_grad(reference.loss_and_balance, has_aux=True)(params, tokens, cfg)
+        (loss, terms), grads = jax.value_and_grad(reference.loss_and_balance, has_aux=True)(params, tokens, cfg,
+                                                                                            compute_dtype)
         norm = optax.tree.norm(grads)
         updates, opt = tx.update(optim_lib.clip(grads, norm, optim.clip), opt, params)
         new = balance.update_bias(optax.apply_updates(params, updates), params, terms["load"], cfg)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -95,10 +96,11 @@ MESHES: dict[str, tuple[ParallelSpec, reference.ModelConfig, int]] = {
 
 @functools.cache
 def reference_run(cfg: reference.ModelConfig, optim: OptimConfig, steps: int, batch_size: int, seq_len: int,
-                  dtype_name: str = "float32"):
-    """(losses, norms, final params) of the unsharded model on the corpus' batches."""
+                  dtype_name: str = "float32", compute_name: str | None = None):
+    """(losses, norms, final params) of the unsharded model on the corpus' batches
+    (compute_name, e.g. "bfloat16": mixed precision, reference.loss's casts)."""
     dtype = jnp.dtype(dtype_name)
-    tx, step = reference_trainer(cfg, optim)
+    tx, step = reference_trainer(cfg, optim, compute_name)
     params = reference.init_params(jax.random.key(0), cfg, dtype)
     opt = tx.init(params)
     corpus, losses, norms = Corpus(vocab=cfg.vocab), [], []
@@ -156,3 +158,77 @@ def check_train(names=None) -> list[Result]:
         if spec.devices <= n:
             out.append(parity(spec, cfg, batch_size=batch))
     return out
+
+
+# ---- mixed precision ------------------------------------------------------------------------
+
+# Bounds of a bf16 run (Trainer(compute_dtype=jnp.bfloat16)) against the unsharded model with
+# the same casts, relative. The sharded program rounds to bf16 where the unsharded one does
+# not (a tp shard's partial sums before their all-reduce, the microbatches' gradients summed
+# in bf16), each rounding off by up to 2^-9: losses within 2^-8 (bf16's epsilon), gradient
+# norms within 1e-2. AdamW divides each gradient by its own root mean square, so a weight
+# whose gradient is near zero takes a step of about lr in whichever direction the rounding
+# left it: the updates (final params - initial, per weight, ||ours - reference|| / ||reference||)
+# agree to a few percent only, as bf16 itself moves them from the float32 model's
+# (`mixed_errors`' "float32 vs bf16"); 5e-2 still catches a wrong gradient, which moves
+# them by O(1).
+MIXED_BOUNDS = {"losses": 2 ** -8, "grad norms": 1e-2, "updates": 5e-2}
+
+
+def train_run(trainer: Trainer, steps: int) -> tuple[Any, np.ndarray, np.ndarray]:
+    """(final state, losses, grad norms) of `steps` steps of `trainer` on the corpus' batches
+    from reference.init_params(key(0))."""
+    corpus = Corpus(vocab=trainer.cfg.vocab)
+    state, losses, norms = trainer.init(jax.random.key(0)), [], []
+    for i in range(steps):
+        state, m = trainer.step(state, corpus.batch(i, batch_size=trainer.batch_size, seq_len=trainer.seq_len))
+        losses.append(float(m["loss"]))
+        norms.append(float(m["norm"]))
+    return state, np.array(losses), np.array(norms)
+
+
+def update_error(params, ref_params, start) -> float:
+    """Max over the weights of ||(params - start) - (ref_params - start)|| / ||ref_params - start||:
+    how far the steps taken are from the reference's (weights the steps left alone skipped)."""
+    errs = [float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(np.asarray(b, np.float64) - s))
+            for a, b, s in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), jax.tree.leaves(start))
+            if np.any(np.asarray(b) != np.asarray(s))]
+    return max(errs)
+
+
+def mixed_errors(trainer: Trainer, losses, norms, params, steps: int) -> dict[str, dict[str, float]]:
+    """A bf16 run's relative errors (losses, first-step loss, grad norms, updates) against
+    the unsharded model with the same casts ("bf16"), and, for scale, the unsharded bf16
+    model's against the float32 one ("float32 vs bf16")."""
+    args = (trainer.cfg, trainer.optim, steps, trainer.batch_size, trainer.seq_len)
+    dtype = jnp.dtype(trainer.dtype).name
+    ref = reference_run(*args, dtype, jnp.dtype(trainer.compute_dtype).name)
+    full = reference_run(*args, dtype)
+    start = reference.init_params(jax.random.key(0), trainer.cfg, trainer.dtype)
+    rel = lambda a, b: float(np.max(np.abs(np.asarray(a) - b) / np.abs(b)))
+
+    def errors(ls, ns, ps, r):
+        return {"losses": rel(ls, r[0]), "first step": rel(ls[:1], r[0][:1]), "grad norms": rel(ns, r[1]),
+                "updates": update_error(ps, r[2], start)}
+    return {"bf16": errors(losses, norms, params, ref), "float32 vs bf16": errors(*ref, full)}
+
+
+def mixed_parity(spec: ParallelSpec, cfg: reference.ModelConfig = DENSE, *, steps: int = 4, batch_size: int = 8,
+                 seq_len: int = 16, optim: OptimConfig = OPTIM, devices=None) -> Result:
+    """`steps` bf16 steps (float32 state) on `spec` against the unsharded model with the same
+    casts: each of MIXED_BOUNDS within its bound, and the first step's loss (the same
+    weights) nearer the bf16 model's than half the way to the float32 model's."""
+    start = time.perf_counter()
+    devices = list(jax.devices()[:spec.devices] if devices is None else devices)
+    trainer = Trainer(cfg, spec, optim, batch_size=batch_size, seq_len=seq_len, devices=devices,
+                      compute_dtype=jnp.bfloat16)
+    state, losses, norms = train_run(trainer, steps)
+    found = mixed_errors(trainer, losses, norms, jax.device_get(trainer.canonical(state)[0]), steps)
+    errors, scale = found["bf16"], found["float32 vs bf16"]
+    passed = all(errors[k] <= bound for k, bound in MIXED_BOUNDS.items()) and \
+        errors["first step"] <= scale["first step"] / 2
+    return Result(name=f"train bf16 {spec.describe()}, {steps} steps", mesh=mesh_lib.describe(trainer.mesh),
+                  errors=errors, tolerance=None, passed=passed, seconds=time.perf_counter() - start,
+                  note="relative to the unsharded model with the same casts; bounds " +
+                       ", ".join(f"{k} {v:.1e}" for k, v in MIXED_BOUNDS.items()) +
+                       "; float32 vs bf16: " + ", ".join(f"{k} {v:.1e}" for k, v in scale.items()))

@@ -37,7 +37,8 @@ from jaxpar.pipeline import orders
 FLAGS = {"dp": "--mesh dp", "pp": "--mesh pp", "tp": "--mesh tp", "cp": "--mesh cp", "ep": "--mesh ep",
          "microbatches": "--microbatches", "batch_size": "--batch", "seq_len": "--seq", "n_layers": "--layers",
          "n_heads": "--heads", "n_kv_heads": "--kv-heads", "vocab": "--vocab", "n_experts": "--experts",
-         "d_ff": "--ffn", "chunks": "--chunks", "zero": "--zero", "attention": "--attention", "layout": "--layout",
+         "d_ff": "--ffn", "chunks": "--chunks", "zero": "--zero", "compute_dtype": "--dtype", "attention": "--attention",
+         "layout": "--layout",
          "schedule": "--schedule", "steps": "--steps", "warmup": "--warmup", "lr": "--lr", "every": "--every",
          "directory": "--checkpoint", "log": "--log", "router": "--router", "aux_loss": "--aux-loss",
          "bias_rate": "--bias-rate", "top_k": "--top-k", "eval_every": "--eval-every",
@@ -55,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sp", action="store_true", help="sequence parallelism on tp")
     parser.add_argument("--recompute", action="store_true", help="keep only each stage's input between F and B")
     parser.add_argument("--zero", type=int, default=0, help="1: ZeRO-1, optimizer state sharded over dp")
+    parser.add_argument("--dtype", default="float32",
+                        help="float32, or bfloat16: the layers compute in bf16, float32 master weights and AdamW "
+                             "state, loss and softmax statistics in float32")
     parser.add_argument("--attention", default="ring", help="ring or ulysses over cp")
     parser.add_argument("--layout", default="contiguous", help="contiguous or zigzag (ring over cp)")
     parser.add_argument("--steps", type=int, default=200)
@@ -172,9 +176,22 @@ def local_devices(args, spec, processes: int) -> int | None:
     return spec.devices // processes
 
 
-def start_jax(args, processes: int, devices: int | None):
+DTYPES = ("float32", "bfloat16")
+
+
+def compute_dtype(name: str):
+    """--dtype's compute dtype for Trainer (None: float32, no cast); a ConfigError names a bad one."""
+    if name not in DTYPES:
+        raise ConfigError(f"--dtype {name!r} is not one of {', '.join(DTYPES)}: float32 trains in float32, "
+                          "bfloat16 computes in bf16 with float32 master weights")
+    import jax.numpy as jnp
+
+    return jnp.bfloat16 if name == "bfloat16" else None
+
+
+def start_jax(args, processes: int, devices: int | None, threads_per_device: int = 8):
     """Start JAX for this process with `devices` fake CPU devices (joining the job
-    first, if any); return the job's devices."""
+    first, if any; `mesh.use_cpu_devices` sizes their thread pool); return the job's devices."""
     import jax
 
     from jaxpar import mesh
@@ -190,7 +207,7 @@ def start_jax(args, processes: int, devices: int | None):
         mesh.init_distributed(args.coordinator, num_processes=processes, process_id=args.process_id,
                               local_device_count=devices)
     else:
-        mesh.use_cpu_devices(devices)
+        mesh.use_cpu_devices(devices, threads_per_device=threads_per_device)
     return jax.devices()
 
 
@@ -217,6 +234,7 @@ def main(args) -> int:
                                 bias_rate=args.bias_rate)
     batch = spec.dp * spec.ep * m if args.batch is None else args.batch
     spec.check(cfg, batch_size=batch, seq_len=args.seq)        # every problem, before JAX starts
+    compute = compute_dtype(args.dtype)
     from jaxpar import errors
 
     if args.checkpoint is not None:
@@ -233,10 +251,12 @@ def main(args) -> int:
 
     warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
     optim = OptimConfig(lr=args.lr, warmup=min(warmup, args.steps), steps=args.steps, clip=args.clip)
-    devices = start_jax(args, processes, devices)
+    # a pipeline's concurrent collectives need a larger XLA:CPU thread pool (mesh.use_cpu_devices)
+    devices = start_jax(args, processes, devices, threads_per_device=8 if spec.pp > 1 else 2)
     with contextlib.ExitStack() as stack:    # the checkpoints' threads end here, whatever is raised
         ckpt = stack.enter_context(Checkpoints(args.checkpoint, every=args.every)) if args.checkpoint else None
-        trainer = Trainer(cfg, spec, optim, batch_size=batch, seq_len=args.seq, devices=devices[:spec.devices])
+        trainer = Trainer(cfg, spec, optim, batch_size=batch, seq_len=args.seq, devices=devices[:spec.devices],
+                          compute_dtype=compute)
         _, history = fit(trainer, steps=args.steps, corpus=data, checkpoints=ckpt, log=args.log,
                          progress=not (args.quiet or args.json), eval_every=every_eval,
                          eval_batches=args.eval_batches, profile=args.profile)

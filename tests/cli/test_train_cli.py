@@ -118,6 +118,7 @@ def test_ctrl_c_mid_run_is_one_line_and_closes_the_checkpoints_after_their_save(
     (["--mesh", "dp=2", "--schedule", "nope"], "schedule"),
     (["--mesh", "dp=2", "--zero", "3"], "zero"),
     (["--mesh", "ep=2"], "dense"),
+    (["--mesh", "dp=2", "--dtype", "float16"], "--dtype 'float16' is not one of float32, bfloat16"),
     (["--mesh", "dp=2", "--checkpoint", "/dev/null"], "--checkpoint '/dev/null' is a file, not a directory"),
     (["--mesh", "dp=2", "--checkpoint", "/dev/null/ckpt"], "lies under '/dev/null', a file"),
     (["--mesh", "dp=2", "--log", "/"], "--log '/' is a directory, not a file"),

@@ -11,7 +11,11 @@ whether ZeRO splits its optimizer state over dp (`zero.plan` found a dimension).
                same axes but dp, whose share is the reduce-scatter below
     ZeRO-1     per ZeRO weight, a reduce-scatter over dp of its gradient (nbytes: the
                operand, the whole local gradient) and an all-gather over dp of its
-               updated dp-th (nbytes: the gathered result)
+               updated dp-th (nbytes: the gathered result); ZeRO-2 the same
+    ZeRO-3     per use of a ZeRO weight (a layer's forward and backward on one
+               microbatch): an all-gather of it forward, another in the backward where
+               the pullback reads the weight itself (`regather`), and a reduce-scatter
+               of its gradient, each nbytes; its all-reduce over dp is gone
 
 Bytes are logical sizes (`comms`' convention). On a ring of n devices a device sends
 2(n-1)/n of an all-reduce's bytes and (n-1)/n of a reduce-scatter's or all-gather's, so
@@ -44,6 +48,10 @@ class Weight:
     split: tuple[str, ...] = ()
     extra: tuple[str, ...] = ()
     zero: bool = False
+    # ZeRO-3: the backward reads this weight itself (a matmul's matrix), so it is gathered
+    # again there; a norm's gain (its pullback keeps the gain broadcast) and an embedding
+    # (a lookup's pullback reads no weight) are not
+    regather: bool = False
 
     def __post_init__(self):
         errors.whole("nbytes", self.nbytes, minimum=0)
@@ -53,6 +61,7 @@ class Weight:
             if not isinstance(value, tuple) or not all(isinstance(a, str) for a in value):
                 raise ConfigError(f"{name}={value!r}: give a tuple of mesh axis names, e.g. ('tp',)")
         errors.flag("zero", self.zero)
+        errors.flag("regather", self.regather)
 
 
 def summed_axes(split: Collection[str], batch_axes: Sequence[str], extra: Sequence[str] = ()) -> tuple[str, ...]:
@@ -109,3 +118,19 @@ def dp_collectives(weights: Sequence[Weight], *, sizes: Mapping[str, int],
     return Collectives({"all-reduce": (len(groups), sum(groups.values())),
                         "reduce-scatter": (len(zero), total["reduce-scatter"]),
                         "all-gather": (len(zero), total["all-gather"])})
+
+
+def zero3_bytes(weights: Iterable[Weight], *, dp: int, forward: float, backward: float,
+                scatters: float) -> dict[str, float]:
+    """{"all-gather": bytes, "reduce-scatter": bytes} of ZeRO-3 over dp devices: each ZeRO
+    weight's bytes nbytes (its local shard over the other axes: the gathered size, and
+    its gradient's before the scatter) gathered `forward` times, those with `regather`
+    `backward` times more, and scattered `scatters` times (0 when dp is one device).
+    Per layer per microbatch that is 2 gathers and 1 scatter: the weights move about
+    three times their bytes per use, where ZeRO-1 moves them twice per step."""
+    if dp == 1:
+        return {"all-gather": 0.0, "reduce-scatter": 0.0}
+    weights = [w for w in weights if w.zero]
+    total = float(sum(w.nbytes for w in weights))
+    again = float(sum(w.nbytes for w in weights if w.regather))
+    return {"all-gather": forward * total + backward * again, "reduce-scatter": scatters * total}

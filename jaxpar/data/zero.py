@@ -15,8 +15,27 @@ The reduce-scatter and the all-gather move what the all-reduce they replace did
 on the mesh (dp added to the split dimension). A leaf no dimension of which dp divides
 keeps its state whole and its gradient all-reduced (-1 in the plan).
 
-ZeRO-2 (the gradients kept as their dp-th from the backward on) and ZeRO-3 (the weights
-too, gathered before each use) shard more of the same: they add to this module.
+ZeRO-2 keeps the gradients as their dp-th from the reduction on. Inside one compiled step
+that is what the program above already does: the full local gradient is a temporary of
+the backward either way, reduce-scattered once, and only the dp-th lives on into the
+optimizer. So the trainer's zero=2 compiles to ZeRO-1's program (tests/train/
+test_zero3.py holds its collectives equal); the two differ only where gradients outlive
+one backward (accumulated over several backward passes), which a one-jit step has not.
+
+ZeRO-3 (FSDP) stores the weights themselves as their dp-th (their PartitionSpecs gain dp,
+`state_pspecs`) and gathers them where they are used, inside each layer's function:
+
+    layer = gathered(layer_fn, dims)        # dims: the layer's leaves' planned dimensions
+    y = layer(p, x)                         # p[..., X/dp, ...]: all-gather over dp, run
+
+The all-gather's transpose is a reduce-scatter over dp: the gradient of p comes out of
+the layer's backward as its dp-th, summed over dp already (the step's reduction then
+skips dp for it: its spec names dp). The gathered weights are not kept for the backward:
+the layer's vjp keeps its residuals but them (a jax.custom_vjp keeps p, the dp-th,
+instead), and the backward gathers them again (FSDP's re-gather): per use, 2 all-gathers
+of the layer's weights and 1 reduce-scatter of its gradient (`formulas.zero3_bytes`; a
+weight the pullback does not read, as an embedding's, is not gathered again). The
+optimizer updates the dp-th each rank holds; nothing is gathered after it.
 """
 
 from __future__ import annotations
@@ -24,7 +43,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+import functools
+
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.data.formulas import summed_axes
@@ -119,3 +141,83 @@ def gather_params(params, dims, *, axis: str = DP):
     leaf's planned dimension, invariant over `axis` again (a leaf planned -1 as it is)."""
     return jax.tree.map(lambda a, dim: a if dim < 0 else jax.lax.all_gather(a, axis, axis=dim, tiled=True,
                                                                              to="invarying"), params, dims)
+
+
+# ---- ZeRO-3: the weights gathered where they are used ------------------------------------
+
+SCOPE = "zero3_gather"          # the named scope of the gathers and the reduce-scatters
+
+
+def gather_for_use(params, dims, *, axis: str = DP):
+    """Each leaf planned dims >= 0 gathered over `axis` along that dimension (varying ->
+    varying), under the named scope SCOPE; leaves not in `dims` (or planned -1) as they
+    are. params: a dict of this device's shards [..., X/dp, ...]; dims: {name: dimension}."""
+    with jax.named_scope(SCOPE):
+        return {name: jax.lax.all_gather(a, axis, axis=dims[name], tiled=True) if dims.get(name, -1) >= 0 else a
+                for name, a in params.items()}
+
+
+def _after(params, values):
+    """params, made to depend on `values` without changing a value: x + 0.0, the 0.0 a
+    comparison XLA cannot decide before run time (the first floating entry of a leaf of
+    each of `values` above +inf: the cotangent's, and a kept residual's for a cotangent
+    XLA knows, as a loss's). The backward's re-gather reads the weights through it:
+    without it XLA:CPU, which expands optimization barriers before its common-subexpression
+    pass, merges the re-gather with the forward's identical all-gather and keeps the
+    whole weights alive from the forward to the backward (what ZeRO-3 exists to avoid)."""
+    firsts = [next((a.reshape(-1)[0] for a in jax.tree.leaves(v) if isinstance(a, jax.core.Tracer)
+                    and jnp.issubdtype(a.dtype, jnp.floating) and a.size), None) for v in values]
+    firsts = [a for a in firsts if a is not None]
+    if not firsts:
+        return params
+    zero = jnp.where(functools.reduce(jnp.logical_or, [a > jnp.inf for a in firsts]), 1, 0)
+    return jax.tree.map(lambda a: a + zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
+
+
+def scatter_gradients(grads, dims, *, axis: str = DP):
+    """The all-gather's transpose: each leaf planned dims >= 0 reduce-scattered over `axis`
+    along that dimension (summed over `axis`, this rank's dp-th kept), others as they are."""
+    with jax.named_scope(SCOPE):
+        return {name: jax.lax.psum_scatter(g, axis, scatter_dimension=dims[name], tiled=True)
+                if dims.get(name, -1) >= 0 else g for name, g in grads.items()}
+
+
+def gathered(fn, dims, *, axis: str = DP):
+    """fn(params, *args) with params' leaves planned dims >= 0 (params: a dict; dims:
+    {name: dimension}) gathered over `axis` first (`gather_for_use`), differentiated the
+    FSDP way (a jax.custom_vjp): the forward keeps fn's vjp residuals but the gathered
+    weights (it keeps the dp-th it was given instead); the backward gathers them again,
+    runs fn's pullback and reduce-scatters the weights' gradient over `axis`
+    (`scatter_gradients`). So per use: an all-gather forward, one backward (none where the
+    pullback does not read the weights: an embedding lookup's), one reduce-scatter. A
+    residual derived from a gathered weight (not the weight itself) is kept, as any
+    residual. No leaf to gather: fn itself."""
+    if not any(d >= 0 for d in dims.values()):
+        return fn
+    # the last trace of the forward's (the pullback's treedef, per leaf the weight it is or None);
+    # every trace of one fn at one call's shapes has the same
+    layout = {}
+
+    def forward(params, *args):
+        whole = gather_for_use(params, dims, axis=axis)
+        out, pullback = jax.vjp(fn, whole, *args)
+        leaves, treedef = jax.tree.flatten(pullback)
+        weight_of = {id(whole[name]): name for name, dim in dims.items() if dim >= 0}
+        names = tuple(weight_of.get(id(a)) for a in leaves)
+        layout["last"] = (treedef, names)
+        return out, (params, [a for a, name in zip(leaves, names) if name is None])
+
+    def backward(residuals, cotangent):
+        params, kept = residuals
+        treedef, names = layout["last"]
+        again = gather_for_use(_after(params, (cotangent, kept)), dims, axis=axis) if any(names) else {}
+        kept = iter(kept)
+        pullback = jax.tree.unflatten(treedef, [again[name] if name else next(kept) for name in names])
+        d_whole, *d_args = pullback(cotangent)
+        return (scatter_gradients(d_whole, dims, axis=axis), *d_args)
+
+    @jax.custom_vjp
+    def run(params, *args):
+        return fn(gather_for_use(params, dims, axis=axis), *args)
+    run.defvjp(forward, backward)
+    return functools.wraps(fn)(run)

@@ -17,6 +17,9 @@ Per shard (inside the step's one shard_map; `shard_fns(cfg, spec, seq_len)`):
           loss's gradient, the statistics for the bias) is `balance.moe_balance`;
   embed   the vocab-parallel embedding (first stage);
   head    the final norm, LM head and vocab-parallel cross-entropy (last stage).
+Under ZeRO-3 (spec.zero == 3) each of the three holds its weights as their dp-th
+(`zero3_dims`: the dimension of each) and gathers them over dp on entry
+(`data.zero.gathered`: re-gathered in the backward, the gradient reduce-scattered).
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ from jaxpar import reference
 from jaxpar.context import zigzag
 from jaxpar.context.ring import ring_attention_shard
 from jaxpar.context.ulysses import ulysses_attention_shard
+from jaxpar.data import zero
 from jaxpar.errors import ConfigError
 from jaxpar.expert.dispatch import ep_moe_shard
 from jaxpar.expert.router import route
-from jaxpar.mesh import CP, EP, PP, TP
+from jaxpar.mesh import CP, DP, EP, PP, TP
 from jaxpar.pipeline import runtime
 from jaxpar.tensor.block import TPSpecs
 from jaxpar.tensor.formulas import block_param_shapes
@@ -101,6 +105,32 @@ def stage_pspecs(cfg: reference.ModelConfig, spec: ParallelSpec) -> tuple[dict, 
     parts = split(partition_specs(cfg, spec.tp))
     return ({k: keep(tuple(s)[1:]) for k, s in parts["blocks"].items()},
             {k: keep(s) for k, s in parts["first"].items()}, {k: keep(s) for k, s in parts["last"].items()})
+
+
+# ZeRO-3: the weights whose pullback reads the weight itself (the matrices of the matmuls),
+# gathered again in the backward. Not a norm's gain (its pullback keeps the gain broadcast
+# to the activations), the embedding (a lookup's pullback reads no weight) or the router
+# (its logits use a cast of it, which the pullback keeps): data.formulas.Weight.regather
+ZERO3_REGATHERED = frozenset({"wq", "wk", "wv", "wo", "w_up", "w_gate", "w_down", "unembed"})
+
+
+@functools.cache
+def zero3_dims(cfg: reference.ModelConfig, spec: ParallelSpec) -> dict:
+    """{"blocks": {name: dimension of one layer's weight}, "first": {...}, "last": {...}}:
+    the dimension ZeRO-3 stores each weight split along over dp (`data.zero.plan` of its
+    local shard under `stage_pspecs`; -1: whole). All -1 unless spec.zero == 3. The router
+    bias stays whole: the bias rule moves it from the whole load, not AdamW from a gradient.
+    The trainer's state lays the blocks out [pp, v, Lc, ...]: there a dimension is 3 more."""
+    shapes = split(jax.eval_shape(lambda: reference.init_params(jax.random.key(0), cfg)))
+    layer = {k: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for k, a in shapes["blocks"].items()}
+    layer_pspecs, first_pspecs, last_pspecs = stage_pspecs(cfg, spec)
+    sizes = spec.sizes if spec.zero == 3 else {**spec.sizes, DP: 1}
+    dims = {"blocks": zero.plan(layer, layer_pspecs, sizes=sizes),
+            "first": zero.plan(shapes["first"], first_pspecs, sizes=sizes),
+            "last": zero.plan(shapes["last"], last_pspecs, sizes=sizes)}
+    if "router_bias" in dims["blocks"]:
+        dims["blocks"]["router_bias"] = -1
+    return dims
 
 
 class LanguageModel(nnx.Module):
@@ -198,9 +228,13 @@ def shard_fns(cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int, batc
     if cfg.n_experts and cfg.aux_loss and batch_size is None:
         raise ConfigError(f"aux_loss={cfg.aux_loss}: the balance loss is a mean over the step's sequences; "
                           "give shard_fns(..., batch_size=) (sequences per step)")
-    stage = runtime.layers(functools.partial(_block, cfg=cfg, spec=spec, seq_len=seq_len, batch_size=batch_size))
+    # ZeRO-3: each function gathers its weights over dp on entry, and again in its backward
+    dims = zero3_dims(cfg, spec)
+    block = functools.partial(_block, cfg=cfg, spec=spec, seq_len=seq_len, batch_size=batch_size)
+    stage = runtime.layers(zero.gathered(block, dims["blocks"]))
     sp = spec.sequence_parallel
-    return (stage, functools.partial(_embed, sp=sp), functools.partial(_head, eps=cfg.norm_eps, sp=sp))
+    return (stage, zero.gathered(functools.partial(_embed, sp=sp), dims["first"]),
+            zero.gathered(functools.partial(_head, eps=cfg.norm_eps, sp=sp), dims["last"]))
 
 
 def to_layout(tokens, spec: ParallelSpec):

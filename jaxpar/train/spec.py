@@ -25,14 +25,16 @@ from jaxpar.pipeline import schedule as schedule_lib
 AXES = (mesh_lib.DP, mesh_lib.PP, mesh_lib.CP, mesh_lib.EP, mesh_lib.TP)   # mesh order: tp innermost (mesh.AXIS_ORDER)
 ATTENTION = ("ring", "ulysses")
 LAYOUTS = ("contiguous", "zigzag")
+ZERO = (0, 1, 2, 3)           # ZeRO stages: what is sharded over dp (data.zero)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelSpec:
     """dp, pp, tp, cp, ep: the mesh. schedule, chunks (model chunks per device; None:
     the schedule's own), microbatches: the pipeline. sequence_parallel: Megatron's SP on
-    the tp axis. recompute: keep only each stage's input between F and B. zero: 0, or 1
-    for ZeRO-1 (optimizer state sharded over dp). attention: ring or ulysses over cp;
+    the tp axis. recompute: keep only each stage's input between F and B. zero: 0, 1
+    (ZeRO-1: optimizer state sharded over dp), 2 (ZeRO-2: and the gradients; in one
+    compiled step the same program as 1) or 3 (ZeRO-3 / FSDP: and the weights). attention: ring or ulysses over cp;
     layout: the ring's token order (zigzag balances causal work)."""
 
     dp: int = 1
@@ -60,9 +62,22 @@ class ParallelSpec:
         for name in ("sequence_parallel", "recompute"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be True or False")
-        if self.zero not in (0, 1) or isinstance(self.zero, bool):
-            problems.append(f"zero={self.zero!r} must be 0 (replicated optimizer state) or 1 (ZeRO-1: sharded "
-                            "over dp)")
+        if self.zero not in ZERO or isinstance(self.zero, bool):
+            problems.append(f"zero={self.zero!r} must be one of {', '.join(map(str, ZERO))}: 0 (replicated "
+                            "optimizer state), 1 (ZeRO-1: the optimizer state sharded over dp), 2 (ZeRO-2: and "
+                            "the gradients), 3 (ZeRO-3 / FSDP: and the weights, gathered layer by layer)")
+        if self.zero == 3 and self.recompute is True:
+            problems.append("zero=3 with recompute=True: ZeRO-3 keeps each layer's activations and gathers its "
+                            "weights again in the backward; a recomputed layer would gather them a third time, "
+                            "a count this trainer does not pin down. Fix: recompute=False with zero=3, or zero=1 "
+                            "with recompute=True")
+        if self.zero == 3 and self.pp > 1 and isinstance(self.schedule, str) and self.schedule in orders.REGISTRY \
+                and orders.lookup(self.schedule).split_backward:
+            problems.append(f"zero=3 with schedule={self.schedule!r} (its backward split into B and W): the step "
+                            "would compute right, but its ZeRO-3 reduce-scatters run in both B (the embedding's) "
+                            "and W (the layers'), and the trainer's collective check (comms) reads one branch per "
+                            "kind of the backward's switch, so it could not prove them. Fix: schedule in "
+                            f"({', '.join(orders.names(split_backward=False))}) with zero=3")
         if self.attention not in ATTENTION:
             problems.append(f"attention={self.attention!r} must be one of {', '.join(ATTENTION)}")
         if self.layout not in LAYOUTS:
@@ -82,7 +97,7 @@ class ParallelSpec:
     def describe(self) -> str:
         parts = [f"{a}{n}" for a, n in self.sizes.items() if n > 1] or ["1 device"]
         extra = [self.schedule if self.pp > 1 else None, "sp" if self.sequence_parallel else None,
-                 "zero1" if self.zero else None, self.attention if self.cp > 1 else None,
+                 f"zero{self.zero}" if self.zero else None, self.attention if self.cp > 1 else None,
                  self.layout if self.cp > 1 and self.layout != "contiguous" else None,
                  "recompute" if self.recompute else None]
         return " x ".join(parts) + "".join(f" {e}" for e in extra if e)

@@ -15,7 +15,11 @@ Inside the one shard_map, on every device:
      over pp (only their stage's device holds a nonzero one). Under ZeRO-1 the dp part of the
      sum is a reduce-scatter instead: each dp rank gets its dp-th of the gradient
      (along one dimension its shard divides), updates that dp-th of the weight with its
-     dp-th of the optimizer state, and an all-gather over dp rebuilds the weight;
+     dp-th of the optimizer state, and an all-gather over dp rebuilds the weight
+     (ZeRO-2: the same program). Under ZeRO-3 the weights are stored as their dp-th and
+     gathered inside each layer (`model.zero3_dims`, `data.zero.gathered`), whose
+     backward reduce-scatters their gradient: the reduction skips dp for them, and
+     nothing is gathered after the update;
   3. the true global gradient norm (`optim.global_norm`), clipping, optax AdamW;
   4. with MoE load balancing (`balance.py`), the per-layer loads and balance-loss values
      the stages handed back, summed over the batch axes and tp in one all-reduce: the
@@ -142,7 +146,7 @@ class Trainer:
         opt_shapes = jax.eval_shape(self.tx.init, self.shapes)
         self.opt_specs = optax.tree_map_params(self.tx, lambda _, s: s, opt_shapes, self.state_param_specs,
                                                transform_non_params=lambda _: P())
-        self.state_specs = TrainState(step=P(), params=self.param_specs, opt=self.opt_specs)
+        self.state_specs = TrainState(step=P(), params=self.stored_param_specs, opt=self.opt_specs)
         self.shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_specs,
                                       is_leaf=lambda x: isinstance(x, P))
         self._step = self._build()
@@ -154,14 +158,21 @@ class Trainer:
         return {**tree, "blocks": to_stages(tree["blocks"], self.schedule)}
 
     def _plan_zero(self):
-        """Per leaf: the dimension ZeRO-1 splits its optimizer state along over dp (-1:
-        whole; `data.zero.plan`, never the blocks' pp dimension), and the state's specs."""
-        if self.spec.zero:
+        """Per leaf: the dimension ZeRO splits its optimizer state along over dp (-1:
+        whole; `data.zero.plan`, never the blocks' pp dimension), the state's specs, and
+        the weights' as stored: under ZeRO-3 the optimizer state's (split over dp too, along
+        the dimension one layer's function gathers: `model.zero3_dims`, 3 more in the
+        blocks' layout [pp, v, Lc, ...]); else the weights' own."""
+        if self.spec.zero == 3:
+            dims = model_lib.zero3_dims(self.cfg, self.spec)
+            self.zero_dims = {**dims, "blocks": {k: d + 3 if d >= 0 else d for k, d in dims["blocks"].items()}}
+        elif self.spec.zero:
             self.zero_dims = {k: zero.plan(self.shapes[k], self.param_specs[k], sizes=self.mesh.shape,
                                            skip=1 if k == "blocks" else 0) for k in self.shapes}
         else:
             self.zero_dims = jax.tree.map(lambda _: -1, self.shapes)
         self.state_param_specs = zero.state_pspecs(self.param_specs, self.zero_dims, self.shapes)
+        self.stored_param_specs = self.state_param_specs if self.spec.zero == 3 else self.param_specs
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -172,13 +183,15 @@ class Trainer:
         m, tx, clip = self.schedule.microbatches, self.tx, self.optim.clip
         batch_axes = req.batch_axes
         pp = (PP,) if self.spec.pp > 1 else ()
-        zero_dims, sharded_state = self.zero_dims, bool(self.spec.zero)
+        zero_dims, fsdp = self.zero_dims, self.spec.zero == 3
+        sharded_state = bool(self.spec.zero) and not fsdp     # ZeRO-1 and -2: the same program
         cfg, balancing, tp = self.cfg, balance.enabled(self.cfg), self.spec.tp
         stats_axes = batch_axes + ((TP,) if tp > 1 else ())
         shards = math.prod(self.mesh.shape[a] for a in batch_axes)
 
         def reduce(grads, pspecs, dims, extra):
-            """Data parallelism's one reduction (under ZeRO-1 its dp part a reduce-scatter)."""
+            """Data parallelism's one reduction (under ZeRO-1 its dp part a reduce-scatter;
+            under ZeRO-3 the layers' backward did that: a weight's stored spec names dp)."""
             if sharded_state:
                 return zero.reduce_scatter_gradients(grads, pspecs, dims, batch_axes=batch_axes, extra=extra)
             return reduce_gradients(grads, pspecs, batch_axes=batch_axes, extra=extra)
@@ -203,7 +216,7 @@ class Trainer:
             over = batch_axes + pp
             loss = jax.lax.psum(loss, over) if over else loss
             grads = {"blocks": jax.tree.map(lambda a: a[None], g_blocks), "first": g_first, "last": g_last}
-            grads = {k: reduce(grads[k], self.param_specs[k], zero_dims[k], () if k == "blocks" else pp)
+            grads = {k: reduce(grads[k], self.stored_param_specs[k], zero_dims[k], () if k == "blocks" else pp)
                      for k in grads}
             norm = optim_lib.global_norm(grads)
             grads = optim_lib.clip(grads, norm, clip)

@@ -21,12 +21,14 @@ ring or Ulysses over cp, the MoE's all-to-alls over ep and its router under tp).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax.numpy as jnp
 
 from jaxpar import comms
 from jaxpar.data import formulas as data_formulas
+from jaxpar.data import zero as data_zero
 from jaxpar.data.reduce import weights
 from jaxpar.expert import formulas as ep_formulas
 from jaxpar.mesh import CP, DP, EP, PP, TP
@@ -34,12 +36,18 @@ from jaxpar.pipeline import direct
 from jaxpar.pipeline import formulas as pipe_formulas
 from jaxpar.pipeline.plan import LANE_SCOPES
 from jaxpar.train import formulas as train_formulas
+from jaxpar.train import model as model_lib
 
 
 def _weights(trainer) -> list:
     """Every weight as data parallelism's formulas see it (`data.reduce.weights`): the
-    embedding's and the head's gradients also summed over pp."""
+    embedding's and the head's gradients also summed over pp; under ZeRO-3 each as its
+    stored dp-th, split over dp (the layers' backward reduce-scattered it there)."""
     pp = (PP,) if trainer.spec.pp > 1 else ()
+    if trainer.spec.zero == 3:    # the weights as stored, their dp-th: what the reduction sums
+        return [w for kind in ("blocks", "first", "last")
+                for w in weights(trainer.shapes[kind], trainer.stored_param_specs[kind], sizes=trainer.mesh.shape,
+                                 extra=() if kind == "blocks" else pp)]
     return [w for kind in ("blocks", "first", "last")
             for w in weights(trainer.shapes[kind], trainer.param_specs[kind], sizes=trainer.mesh.shape,
                              extra=() if kind == "blocks" else pp, zero_dims=trainer.zero_dims[kind])]
@@ -74,10 +82,95 @@ def expected_reductions(trainer) -> dict[int, float]:
 
 
 def expected_zero(trainer) -> dict[str, float]:
-    """Bytes of ZeRO-1's reduce-scatters and all-gathers over dp
-    (`data.formulas.zero_bytes`: each a weight's local bytes, as the HLO counts an
-    output or input of the whole shard)."""
+    """Bytes of ZeRO's reduce-scatters and all-gathers over dp in one step. ZeRO-1 and -2:
+    `data.formulas.zero_bytes` (each a weight's local bytes, as the HLO counts an output
+    or input of the whole shard). ZeRO-3: `expected_zero3_by_rank` summed over the pp
+    ranks (one device each)."""
+    if trainer.spec.zero == 3:
+        return _sum_ranks(expected_zero3_by_rank(trainer))
     return data_formulas.zero_bytes(_weights(trainer), dp=trainer.spec.dp)
+
+
+def _sum_ranks(by_rank: dict) -> dict[str, float]:
+    return {k: float(sum(r[k] for r in by_rank.values())) for k in ("reduce-scatter", "all-gather")}
+
+
+def _zero3_weights(trainer, kind: str) -> list:
+    """`kind`'s weights as ZeRO-3's formula reads them: `regather` for the ones a
+    pullback reads itself (model.ZERO3_REGATHERED)."""
+    names = list(trainer.shapes[kind])          # a dict of leaves, in jax.tree order (sorted)
+    found = weights(trainer.shapes[kind], trainer.param_specs[kind], sizes=trainer.mesh.shape,
+                    zero_dims=trainer.zero_dims[kind])
+    return [dataclasses.replace(w, regather=name in model_lib.ZERO3_REGATHERED)
+            for name, w in zip(sorted(names), found, strict=True)]
+
+
+def expected_zero3_by_rank(trainer) -> dict[int, dict[str, float]]:
+    """{pp rank: {"all-gather": bytes, "reduce-scatter": bytes}} of ZeRO-3 in one step on
+    one device of that rank (`data.formulas.zero3_bytes`), counted as the compiled program
+    runs the uses:
+      pp = 1   each weight gathered once forward (XLA hoists the gather out of the
+               microbatch loop: the weights are invariant in it), gathered again in the
+               backward and reduce-scattered once per microbatch;
+      pp > 1   per run of a branch on that rank (`Plan.lane_runs`), a chunk's layers
+               (1/v of the rank's blocks): gathered in each F, again in each B (which
+               reads the weights for dL/dx), reduce-scattered in each B, or in each W where
+               the schedule splits the backward (W reads no weight: nothing gathered);
+               the embedding gathered in each first-stage F, reduce-scattered in each
+               first-stage backward; the head gathered, gathered again and
+               reduce-scattered in each F with the loss."""
+    spec, plan = trainer.spec, trainer.local.plan
+    kinds = {k: _zero3_weights(trainer, k) for k in ("blocks", "first", "last")}
+
+    def bytes_of(kind, forward, backward, scatters, share=1.0):
+        got = data_formulas.zero3_bytes(kinds[kind], dp=spec.dp, forward=forward, backward=backward,
+                                        scatters=scatters)
+        return {k: v * share for k, v in got.items()}
+
+    def total(*parts):
+        return {k: float(sum(p[k] for p in parts)) for k in ("reduce-scatter", "all-gather")}
+
+    if spec.pp == 1:
+        m = plan.schedule.microbatches
+        return {0: total(*(bytes_of(k, 1, m, m) for k in kinds))}
+    out = {}
+    v = spec.resolved_chunks
+    split = any(plan.lane_runs(d)["pipeline_W"] for d in range(spec.pp))
+    for d in range(spec.pp):
+        runs = plan.lane_runs(d)
+        scatters = runs["pipeline_W"] if split else runs["pipeline_B"]
+        out[d] = total(bytes_of("blocks", runs["pipeline_F"], runs["pipeline_B"], scatters, share=1 / v),
+                       bytes_of("first", runs["pipeline_first"], 0, runs["pipeline_first_backward"]),
+                       bytes_of("last", runs["pipeline_loss"], runs["pipeline_loss"], runs["pipeline_loss"]))
+    return out
+
+
+def zero3_by_rank(trainer, ops) -> dict[int, dict[str, float]]:
+    """The ZeRO-3 gathers and reduce-scatters (the ops under `data.zero.SCOPE`) one device
+    of each pp rank runs in one step, exactly: at pp = 1 each as often as it runs; in the
+    pipeline each in its innermost branch scope as often as the plan runs that branch
+    there (`_branch_runs`)."""
+    plan = trainer.local.plan
+    out = {}
+    for d in range(trainer.spec.pp):
+        runs = plan.lane_runs(d)
+        got = {"reduce-scatter": 0.0, "all-gather": 0.0}
+        for op in ops:
+            if data_zero.SCOPE in op.scope and op.kind in got:
+                n = op.executions if trainer.spec.pp == 1 else _branch_runs(op, plan, runs)
+                got[op.kind] += n * op.bytes
+        out[d] = got
+    return out
+
+
+def _branch_runs(op, plan, runs: dict[str, int]) -> int:
+    """How often a conditional op of the pipeline's loop runs on the rank of `runs`
+    (`Plan.lane_runs`): its executions per step of the loop times the runs of its
+    innermost branch scope (plan.LANE_SCOPES)."""
+    scope = next((s for s in LANE_SCOPES if f"/{s}/" in f"/{op.scope}/"), None)
+    if not op.conditional or scope is None or op.executions % max(plan.steps, 1):
+        raise ValueError(f"collective {op.name} ({op.scope}) is in no branch scope of the pipeline")
+    return op.executions // plan.steps * runs[scope]
 
 
 def stage_collectives(trainer, ops, device: int) -> comms.Collectives:
@@ -89,11 +182,11 @@ def stage_collectives(trainer, ops, device: int) -> comms.Collectives:
     out = comms.Collectives({})
     if trainer.spec.pp == 1:      # the one-stage program (pipeline.direct): no branches, each op as it runs
         for op in ops:
-            if direct.SCOPE in op.scope:
+            if direct.SCOPE in op.scope and data_zero.SCOPE not in op.scope:     # ZeRO-3's: `zero3_by_rank`
                 out = out + comms.Collectives({op.kind: (op.executions, op.executions * op.bytes)})
         return out
     for op in ops:
-        if not op.conditional:
+        if not op.conditional or data_zero.SCOPE in op.scope:      # ZeRO-3's: `zero3_by_rank`
             continue
         scope = next((s for s in LANE_SCOPES if f"/{s}/" in f"/{op.scope}/"), None)
         if scope is None or op.executions % max(plan.steps, 1):
@@ -135,9 +228,14 @@ def collectives(trainer, compiled) -> dict:
         if o.kind == "all-reduce":
             reductions[o.group_size] = reductions.get(o.group_size, 0.0) + o.bytes
     zero = {k: sum(o.bytes for o in once if o.kind == k) for k in ("reduce-scatter", "all-gather")}
+    zero_ranks = expected_ranks = None
+    if spec.zero == 3:            # inside the layers, per pp rank (and summed: `zero`)
+        zero_ranks, expected_ranks = zero3_by_rank(trainer, ops), expected_zero3_by_rank(trainer)
+        zero = _sum_ranks(zero_ranks)
     stages = {d: stage_collectives(trainer, ops, d) for d in range(spec.pp)}
     return {"sends": sends, "expected_sends": expected_sends, "reductions": reductions,
             "expected_reductions": expected_reductions(trainer), "zero": zero, "expected_zero": expected_zero(trainer),
+            "zero_by_rank": zero_ranks, "expected_zero_by_rank": expected_ranks,
             "stages": stages, "expected_stages": {d: expected_stage_collectives(trainer, d) for d in range(spec.pp)}}
 
 
@@ -145,8 +243,10 @@ def matches(c: dict) -> bool:
     close = lambda a, b: set(a) == set(b) and all(abs(a[k] - b[k]) <= 1e-9 * max(1.0, b[k]) for k in b)
     stages = all(stage_matches(c["stages"][d], e, direct=len(c["stages"]) == 1)
                  for d, e in c["expected_stages"].items())
+    ranks = c.get("zero_by_rank") is None or all(close(c["zero_by_rank"][d], e)
+                                                  for d, e in c["expected_zero_by_rank"].items())
     return c["sends"] == c["expected_sends"] and close(c["reductions"], c["expected_reductions"]) and close(
-        c["zero"], c["expected_zero"]) and stages
+        c["zero"], c["expected_zero"]) and stages and ranks
 
 
 def stage_matches(measured: comms.Collectives, expected: comms.Collectives, *, direct: bool) -> bool:
@@ -220,8 +320,10 @@ def format_summary(s: dict) -> str:
         f"  gradient/norm/loss all-reduces: {red(c['reductions'])} (formula: {red(c['expected_reductions'])})",
     ]
     if c["expected_zero"]["all-gather"]:
-        lines.append(f"  ZeRO-1 over dp: reduce-scatter {_kib(c['zero']['reduce-scatter'])}, all-gather "
-                     f"{_kib(c['zero']['all-gather'])} (formula: {_kib(c['expected_zero']['all-gather'])} each)")
+        stage = s["spec"].split("zero")[1].split()[0] if "zero" in s["spec"] else "1"
+        lines.append(f"  ZeRO-{stage} over dp: reduce-scatter {_kib(c['zero']['reduce-scatter'])}, all-gather "
+                     f"{_kib(c['zero']['all-gather'])} (formula: {_kib(c['expected_zero']['reduce-scatter'])}, "
+                     f"{_kib(c['expected_zero']['all-gather'])})")
     for d, got in c["stages"].items():
         lines.append(f"  inside the stages, pp rank {d}: {got.format()} (formula: {c['expected_stages'][d].format()})")
     lines.append(f"  collectives {'=' if s['collectives_match'] else '!='} the formulas")

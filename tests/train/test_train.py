@@ -128,7 +128,7 @@ def test_every_violated_constraint_is_listed():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(dp=0), "dp=0"), (dict(tp=2.0), "tp=2.0"), (dict(zero=2), "zero=2"), (dict(schedule="nope"), "schedule"),
+    (dict(dp=0), "dp=0"), (dict(tp=2.0), "tp=2.0"), (dict(zero=4), "zero=4"), (dict(schedule="nope"), "schedule"),
     (dict(attention="flash"), "attention"), (dict(layout="spiral"), "layout"), (dict(recompute=1), "recompute"),
     (dict(microbatches=True), "microbatches"), (dict(dp=1 << 20), "dp="),
 ])

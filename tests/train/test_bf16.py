@@ -177,9 +177,12 @@ def test_the_reference_casts_only_when_asked():
     gradients come back float32 and near the float32 ones (bf16's rounding, 2^-8)."""
     params = reference.init_params(jax.random.key(0), DENSE)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, DENSE.vocab, (4, 9)), jnp.int32)
-    full, g_full = jax.value_and_grad(reference.loss)(params, tokens, DENSE)
-    assert float(reference.loss(params, tokens, DENSE, None)) == float(full)
-    mixed, g_mixed = jax.value_and_grad(reference.loss)(params, tokens, DENSE, jnp.bfloat16)
+    full, g_full = jax.jit(jax.value_and_grad(reference.loss), static_argnums=2)(params, tokens, DENSE)
+    grad = jax.jit(jax.value_and_grad(reference.loss), static_argnums=(2, 3))
+    for same in (None, jnp.float32):       # nothing to cast: the same bits
+        loss, grads = grad(params, tokens, DENSE, same)
+        assert float(loss) == float(full) and all(jax.tree.leaves(jax.tree.map(jnp.array_equal, grads, g_full)))
+    mixed, g_mixed = grad(params, tokens, DENSE, jnp.bfloat16)
     assert mixed.dtype == jnp.float32 and {g.dtype for g in jax.tree.leaves(g_mixed)} == {jnp.dtype(jnp.float32)}
     assert 0 < abs(float(mixed) - float(full)) / float(full) < 2 ** -8
     for a, b in zip(jax.tree.leaves(g_mixed), jax.tree.leaves(g_full)):

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from jaxpar.collectives import varying
 from jaxpar.errors import ConfigError
+from jaxpar.pipeline.program import accumulator_dtype
 from jaxpar.pipeline.request import Request
 from jaxpar.pipeline.stage import layers, unstack
 
@@ -90,9 +91,9 @@ class Direct:
 
         def accumulate(carry, batch):
             loss, grads = grad_fn(params, first_params, last_params, *batch)
-            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+            return jax.tree.map(lambda acc, new: acc + new.astype(acc.dtype), carry, (loss, grads)), None
 
-        zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros((), self.request.loss_dtype),
-                                              (params, first_params, last_params)))
+        zeros = jax.tree.map(lambda a: jnp.zeros_like(a, accumulator_dtype(a.dtype)),
+                             (jnp.zeros((), self.request.loss_dtype), (params, first_params, last_params)))
         (loss, (g, g_first, g_last)), _ = jax.lax.scan(accumulate, varying(zeros, self.axes), (inputs, targets))
         return loss, g, None, g_first, g_last

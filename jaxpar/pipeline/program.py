@@ -49,6 +49,13 @@ from jaxpar.pipeline.plan import F_BRANCHES, LANES, Row
 from jaxpar.pipeline.request import Request
 
 
+def accumulator_dtype(dtype):
+    """The dtype gradients are summed in over the microbatches: float32 at least (bf16
+    weights' gradients, under mixed precision, would lose the low bits of each addend)."""
+    dtype = jnp.dtype(dtype)
+    return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
 def take(buf, i):
     """buf[i] as one dynamic slice (an indexing gather's bounds check would select)."""
     return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
@@ -212,7 +219,7 @@ class _Step:
         req, plan, res = self.program.request, self.program.plan, self.residuals
         fill = lambda a: req.bubble_fill if jnp.issubdtype(a.dtype, jnp.inexact) else 0
         buf = lambda n, a: jnp.full((n + 1, *a.shape), fill(a), a.dtype)
-        zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+        zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros_like(a, accumulator_dtype(a.dtype)), tree)
         return varying(Carry(
             x=varying(buf(plan.n_x, act), self.act_axes), g=varying(buf(plan.n_g, act), self.act_axes),
             gw=varying(buf(plan.n_res, res.kept), self.act_axes) if self.split else None,

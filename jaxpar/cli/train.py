@@ -306,7 +306,7 @@ def _report(args, trainer, history) -> int:
     summary = summarize(trainer, history, out=args.out if lead else None)
     device_kind = trainer.mesh.devices.flat[0].device_kind
     summary["mfu"] = throughput.mfu(summary["tokens_per_second"], trainer.cfg, trainer.seq_len, trainer.mesh.size,
-                                    device_kind, trainer.dtype)
+                                    device_kind, trainer.compute_dtype or trainer.dtype)
     summary["flops_per_token"] = throughput.flops_per_token(trainer.cfg, trainer.seq_len)
     summary["device_kind"] = device_kind
     summary["vocab"] = trainer.cfg.vocab
@@ -336,7 +336,7 @@ def _report(args, trainer, history) -> int:
 def _format_extra(s: dict, trainer, args) -> str:
     from jaxpar.train import throughput
 
-    peak = throughput.peak_flops(s["device_kind"], trainer.dtype)
+    peak = throughput.peak_flops(s["device_kind"], trainer.compute_dtype or trainer.dtype)
     lines = []
     if s["processes"] > 1:
         lines.append(f"  {s['processes']} processes; process 0 read rows {s['batch_rows'][0]}:{s['batch_rows'][1]} "

@@ -225,7 +225,8 @@ class _ProgressLine(tqdm):
 def _progress_text(history: History, trainer: Trainer, tokens: int, device_kind: str, val: float | None) -> str:
     """'loss 3.2548  val 3.3914  1,628 tok/s  20 ms/step  MFU n/a' (val: the last validation loss)."""
     tok_s = history.tokens_per_second(tokens)
-    mfu = throughput.mfu(tok_s, trainer.cfg, trainer.seq_len, trainer.mesh.size, device_kind, trainer.dtype)
+    mfu = throughput.mfu(tok_s, trainer.cfg, trainer.seq_len, trainer.mesh.size, device_kind,
+                          trainer.compute_dtype or trainer.dtype)          # the dtype the math runs in
     parts = [f"loss {history.losses[-1]:.4f}"] + ([f"val {val:.4f}"] if val is not None else []) + [
         f"{tok_s:,.0f} tok/s", f"{1e3 * history.step_seconds():.0f} ms/step", f"MFU {throughput.format_mfu(mfu)}"]
     return "  ".join(parts)

@@ -8,11 +8,16 @@ the mean loss, then
     updating its dp-th of every weight with its dp-th of the state, and the weights
     all-gathered, against optax's AdamW on the whole model: the weights and the state;
 
-each compiled program's collectives against `formulas.dp_collectives`.
+each compiled program's collectives against `formulas.dp_collectives`; and the lecture's
+comparison of ZeRO-3 with pipeline parallelism on one small model, both measured from
+compiled programs (`check_zero3_vs_pp`): ZeRO-3 moves the weights about 3 times a step
+(2 all-gathers and 1 reduce-scatter, `formulas.zero3_bytes`), the pipeline b*s*h of
+activations between neighbouring stages per microbatch, each way.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import jax
@@ -24,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import mesh as mesh_lib
 from jaxpar.collectives import varying
-from jaxpar.comms import human_bytes
+from jaxpar.comms import Collectives, human_bytes
 from jaxpar.data import formulas, zero
 from jaxpar.data.reduce import reduce_gradients, weights
 from jaxpar.mesh import DP
@@ -137,6 +142,120 @@ def check_zero1(steps: int = 2) -> Result:
                        + (f"; whole: {', '.join(kept)} (no dimension dp divides)" if kept else ""))
 
 
+# ---- ZeRO-3 against pipeline parallelism --------------------------------------------------
+
+# a stack of residual GeLU MLP layers (width D, hidden F) on [rows, SEQ, D] activations
+STACK_LAYERS, STACK_D, STACK_F, STACK_SEQ = 4, 16, 64, 8
+PP_STAGES, PP_MICROBATCHES = 2, 4                       # 2 stages of 2 layers
+
+
+def stack_inputs(rows: int, seed: int = 0):
+    """(params {"w1": [L, D, F], "w2": [L, F, D]}, x, y [rows, SEQ, D]) drawn with numpy."""
+    rng = np.random.default_rng(seed)
+    normal = lambda scale, *shape: jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)
+    params = {"w1": normal(STACK_D ** -0.5, STACK_LAYERS, STACK_D, STACK_F),
+              "w2": normal(STACK_F ** -0.5, STACK_LAYERS, STACK_F, STACK_D)}
+    return params, normal(1.0, rows, STACK_SEQ, STACK_D), normal(1.0, rows, STACK_SEQ, STACK_D)
+
+
+def stack_layer(p, x):
+    """One layer: x + gelu(x @ w1) @ w2, x [rows, SEQ, D]."""
+    return x + jax.nn.gelu(x @ p["w1"]) @ p["w2"]
+
+
+def _run_layers(layer_fn, params, x):
+    """layer_fn over every layer of params [n, ...] in order."""
+    for i in range(jax.tree.leaves(params)[0].shape[0]):
+        x = layer_fn(jax.tree.map(lambda a: a[i], params), x)
+    return x
+
+
+def stack_loss(params, x, y):
+    """The mean squared error of the whole stack (the unsharded model)."""
+    return jnp.mean(jnp.square(_run_layers(stack_layer, params, x) - y))
+
+
+def _zero3_gradients(mesh, dims, stored):
+    """The jitted ZeRO-3 gradient (params, x, y) -> grads over dp: each layer gathers its
+    weights (`zero.gathered`), and again in its backward, which reduce-scatters them."""
+    layer = zero.gathered(stack_layer, dims)
+    dp = mesh_lib.axis_size(mesh, DP)
+
+    def per_device(params, x, y):                 # params [L, ..., X/dp, ...]; x, y [rows/dp, SEQ, D]
+        share = lambda p: jnp.mean(jnp.square(_run_layers(layer, p, x) - y)) / dp
+        return jax.grad(share)(params)             # the dp-th of the summed gradient
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(stored, P(DP), P(DP)), out_specs=stored))
+
+
+def _pipeline_gradients(mesh):
+    """The jitted gradient of the stack pipelined over 2 stages (L/2 layers each), the
+    microbatches in turn: stage 0 runs its layers, sends the activation [mb, SEQ, D] to
+    stage 1 (a collective-permute; its gradient comes back the same way), stage 1 runs
+    its layers and the loss. Every device runs both turns (SPMD); the turn that is not its
+    stage's is discarded: stage 0's second by the mask on the loss, stage 1's first by
+    the send, which carries stage 0's only."""
+    stages = PP_STAGES
+
+    def per_device(params, xs, ys):               # params [L/2, ...]; xs, ys [m, mb, SEQ, D]
+        stage = jax.lax.axis_index("pp")
+
+        def loss(params):
+            def microbatch(total, batch):
+                x, y = batch
+                h = jax.lax.ppermute(_run_layers(stack_layer, params, x), "pp", [(0, 1)])
+                out = _run_layers(stack_layer, params, h)
+                mine = jnp.where(stage == stages - 1, jnp.mean(jnp.square(out - y)), 0.0)
+                return total + mine / xs.shape[0], None
+            return jax.lax.scan(microbatch, varying(jnp.zeros((), xs.dtype), ("pp",)), (xs, ys))[0]
+        return jax.grad(loss)(params)
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("pp"), P(), P()), out_specs=P("pp")))
+
+
+def check_zero3_vs_pp() -> Result:
+    """The lecture's comparison on one small model, both from compiled programs: ZeRO-3
+    over every device as dp (the weights gathered twice and reduce-scattered once per
+    step: about 3x their bytes) against a 2-stage pipeline (b*s*h of activations between
+    the neighbours per microbatch, each way); both gradients against jax.grad."""
+    start = time.perf_counter()
+    n = len(jax.devices())
+    dp_mesh = mesh_lib.make_mesh(dp=n)
+    params, x, y = stack_inputs(2 * math.lcm(n, PP_MICROBATCHES))       # rows: split over dp and microbatches
+    reference = jax.jit(jax.grad(stack_loss))(params, x, y)
+    one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
+    dims = zero.plan(one_layer, jax.tree.map(lambda _: P(), params), sizes=dict(dp_mesh.shape))
+    stored = {k: zero.state_pspec(P(), d + 1 if d >= 0 else d, params[k].ndim) for k, d in dims.items()}
+    zero3 = _zero3_gradients(dp_mesh, dims, stored).lower(params, x, y).compile()
+    pp_mesh = mesh_lib.make_mesh(pp=PP_STAGES, devices=jax.devices()[:PP_STAGES])
+    xs, ys = (a.reshape(PP_MICROBATCHES, -1, *a.shape[1:]) for a in (x, y))
+    pipeline = _pipeline_gradients(pp_mesh).lower(params, xs, ys).compile()
+    errors, rule, within = compare({"ZeRO-3 grads": zero3(params, x, y), "PP grads": pipeline(params, xs, ys)},
+                                   {"ZeRO-3 grads": reference, "PP grads": reference})
+    weights_bytes = sum(a.nbytes for a in params.values())
+    # per layer and weight; the backward reads each again but the first layer's w1, which only
+    # the input's gradient would read (and the data x needs none)
+    each = [formulas.Weight(nbytes=a[0].nbytes, itemsize=a.dtype.itemsize, zero=True,
+                            regather=not (layer == 0 and name == "w1"))
+            for layer in range(STACK_LAYERS) for name, a in params.items()]
+    moved = formulas.zero3_bytes(each, dp=n, forward=1, backward=1, scatters=1)
+    regathers = sum(w.regather for w in each)
+    expected_zero3 = Collectives({"all-gather": (len(each) + regathers, moved["all-gather"]),
+                                  "reduce-scatter": (len(each), moved["reduce-scatter"])})
+    activation = xs.shape[1] * STACK_SEQ * STACK_D * x.dtype.itemsize          # b*s*h of one microbatch
+    sends = 2 * PP_MICROBATCHES                      # per microbatch: the activation forward, its gradient back
+    expected_pp = Collectives({"collective-permute": (sends, sends * activation)})
+    measured = {"ZeRO-3": compiled_collectives(zero3), "PP": compiled_collectives(pipeline)}
+    expected = {"ZeRO-3": expected_zero3, "PP": expected_pp}
+    return Result(name="ZeRO-3 vs pipeline: bytes moved per step", mesh=f"dp={n} | pp={PP_STAGES}",
+                  errors=errors, tolerance=rule, measured=measured, expected=expected,
+                  passed=within and measured == expected, seconds=time.perf_counter() - start,
+                  note=f"{STACK_LAYERS} MLP layers {STACK_D}-{STACK_F}, weights {human_bytes(weights_bytes)}: "
+                       f"ZeRO-3 moves {human_bytes(moved['all-gather'] + moved['reduce-scatter'])} a step "
+                       f"(2 all-gathers + 1 reduce-scatter: "
+                       f"{(moved['all-gather'] + moved['reduce-scatter']) / weights_bytes:.2f}x the weights); PP moves b*s*h = {xs.shape[1]}*{STACK_SEQ}*{STACK_D} = "
+                       f"{human_bytes(activation)} per microbatch each way, {human_bytes(sends * activation)} "
+                       f"for {PP_MICROBATCHES} microbatches")
+
+
 def check_dp() -> list[Result]:
-    """`jaxpar verify dp`: the gradient reduction and ZeRO-1."""
-    return [check_reduction(), check_zero1()]
+    """`jaxpar verify dp`: the gradient reduction, ZeRO-1, and ZeRO-3 against the pipeline."""
+    return [check_reduction(), check_zero1(), check_zero3_vs_pp()]

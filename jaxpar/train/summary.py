@@ -320,7 +320,7 @@ def format_summary(s: dict) -> str:
         f"  gradient/norm/loss all-reduces: {red(c['reductions'])} (formula: {red(c['expected_reductions'])})",
     ]
     if c["expected_zero"]["all-gather"]:
-        stage = s["spec"].split("zero")[1].split()[0] if "zero" in s["spec"] else "1"
+        stage = next((word.removeprefix("zero") for word in s["spec"].split() if word.startswith("zero")), "1")
         lines.append(f"  ZeRO-{stage} over dp: reduce-scatter {_kib(c['zero']['reduce-scatter'])}, all-gather "
                      f"{_kib(c['zero']['all-gather'])} (formula: {_kib(c['expected_zero']['reduce-scatter'])}, "
                      f"{_kib(c['expected_zero']['all-gather'])})")

@@ -50,3 +50,19 @@ def test_the_program_has_one_all_reduce_per_group_and_a_pair_per_zero_weight():
 def test_bad_weights_are_refused(kw, words):
     with pytest.raises(ConfigError, match=words):
         Weight(**kw)
+
+
+def test_zero3_bytes_by_hand():
+    """Per use: every ZeRO weight gathered forward, the regathered ones again in the backward,
+    each reduce-scattered once; weights ZeRO leaves whole move nothing here."""
+    weights = [Weight(nbytes=64, itemsize=4, zero=True, regather=True),     # a matrix
+               Weight(nbytes=16, itemsize=4, zero=True),                    # a norm's gain: not gathered again
+               Weight(nbytes=8, itemsize=4)]                                # whole: all-reduced instead
+    got = formulas.zero3_bytes(weights, dp=4, forward=2, backward=3, scatters=3)
+    assert got == {"all-gather": 2 * 80 + 3 * 64, "reduce-scatter": 3 * 80}
+    assert formulas.zero3_bytes(weights, dp=1, forward=2, backward=3, scatters=3) == {"all-gather": 0.0,
+                                                                                      "reduce-scatter": 0.0}
+    one_use = formulas.zero3_bytes(weights[:1], dp=2, forward=1, backward=1, scatters=1)
+    assert sum(one_use.values()) == 3 * 64                  # the weights move 3 times per use
+    with pytest.raises(ConfigError, match="regather"):
+        Weight(nbytes=8, itemsize=4, regather=1)

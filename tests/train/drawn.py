@@ -6,8 +6,8 @@ KV-head count down to one (MQA), head_dim, d_ff, vocab, GeLU or SwiGLU, RoPE on 
 dense or an MoE of 4-8 experts with top-1 or top-2, a softmax or sigmoid router, with or
 without the balance loss and DeepSeek-V3's selection bias), a `ParallelSpec` over at most 8
 devices (dp, pp, tp, cp, ep of any size whose product is <= 8, odd sizes included; every
-registered schedule with microbatches and chunks it accepts; SP, recompute, ZeRO-1, ring
-or Ulysses, both token layouts) and a batch and a sequence length, built to satisfy the
+registered schedule with microbatches and chunks it accepts; SP, recompute, ZeRO 0-3
+where the spec accepts it, ring or Ulysses, both token layouts) and a batch and a sequence length, built to satisfy the
 divisibility rules and then filtered by `problems()` itself, so whatever it accepts may
 be drawn. A family pins one axis above 1 so that a few examples cover every technique.
 """
@@ -82,9 +82,12 @@ def configurations(draw, family: str = "any") -> Drawn:
     attention = draw(st.sampled_from(["ring", "ulysses"])) if cp > 1 else "ring"
     layout = draw(st.sampled_from(["contiguous", "zigzag"])) if cp > 1 else "contiguous"
     sp = draw(st.booleans()) if tp > 1 else False
+    recompute = draw(st.booleans())
+    # ZeRO-3 refuses recompute and a split backward (ParallelSpec): drawn where it fits
+    split = pp > 1 and orders.lookup(name).split_backward
+    zero = draw(st.sampled_from([0, 1, 2] if recompute or split else [0, 1, 2, 3]))
     spec = ParallelSpec(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, schedule=name, chunks=chunks, microbatches=m,
-                        sequence_parallel=sp, recompute=draw(st.booleans()), zero=draw(st.sampled_from([0, 1])),
-                        attention=attention, layout=layout)
+                        sequence_parallel=sp, recompute=recompute, zero=zero, attention=attention, layout=layout)
 
     # the model: sized to the mesh, so that most draws satisfy the rules by construction
     per_tp = draw(st.sampled_from([1, 2])) * (cp if attention == "ulysses" else 1)

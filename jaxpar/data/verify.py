@@ -243,17 +243,17 @@ def check_zero3_vs_pp() -> Result:
     activation = xs.shape[1] * STACK_SEQ * STACK_D * x.dtype.itemsize          # b*s*h of one microbatch
     sends = 2 * PP_MICROBATCHES                      # per microbatch: the activation forward, its gradient back
     expected_pp = Collectives({"collective-permute": (sends, sends * activation)})
+    zero3_total = moved["all-gather"] + moved["reduce-scatter"]
     measured = {"ZeRO-3": compiled_collectives(zero3), "PP": compiled_collectives(pipeline)}
     expected = {"ZeRO-3": expected_zero3, "PP": expected_pp}
     return Result(name="ZeRO-3 vs pipeline: bytes moved per step", mesh=f"dp={n} | pp={PP_STAGES}",
                   errors=errors, tolerance=rule, measured=measured, expected=expected,
                   passed=within and measured == expected, seconds=time.perf_counter() - start,
                   note=f"{STACK_LAYERS} MLP layers {STACK_D}-{STACK_F}, weights {human_bytes(weights_bytes)}: "
-                       f"ZeRO-3 moves {human_bytes(moved['all-gather'] + moved['reduce-scatter'])} a step "
-                       f"(2 all-gathers + 1 reduce-scatter: "
-                       f"{(moved['all-gather'] + moved['reduce-scatter']) / weights_bytes:.2f}x the weights); PP moves b*s*h = {xs.shape[1]}*{STACK_SEQ}*{STACK_D} = "
-                       f"{human_bytes(activation)} per microbatch each way, {human_bytes(sends * activation)} "
-                       f"for {PP_MICROBATCHES} microbatches")
+                       f"ZeRO-3 moves {human_bytes(zero3_total)} a step (2 all-gathers + 1 reduce-scatter: "
+                       f"{zero3_total / weights_bytes:.2f}x the weights); PP moves b*s*h = "
+                       f"{xs.shape[1]}*{STACK_SEQ}*{STACK_D} = {human_bytes(activation)} per microbatch each way, "
+                       f"{human_bytes(sends * activation)} for {PP_MICROBATCHES} microbatches")
 
 
 def check_dp() -> list[Result]:

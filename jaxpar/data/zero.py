@@ -221,4 +221,15 @@ def gathered(fn, dims, *, axis: str = DP):
     def run(params, *args):
         return fn(gather_for_use(params, dims, axis=axis), *args)
     run.defvjp(forward, backward)
-    return functools.wraps(fn)(run)
+    run = functools.wraps(fn)(run)
+    run.zero3_layout = layout          # for `regathered`
+    return run
+
+
+def regathered(fn) -> frozenset[str]:
+    """The weights the backward of `gathered(...)` fn gathers again: those its pullback
+    reads itself, as its last trace under a vjp found (the matmuls' matrices; not a norm's
+    gain, kept broadcast, nor an embedding's, which a lookup's pullback does not read).
+    Empty for a function not gathered or not yet differentiated."""
+    last = getattr(fn, "zero3_layout", {}).get("last")
+    return frozenset(name for name in last[1] if name) if last else frozenset()

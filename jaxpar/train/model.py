@@ -107,13 +107,6 @@ def stage_pspecs(cfg: reference.ModelConfig, spec: ParallelSpec) -> tuple[dict, 
             {k: keep(s) for k, s in parts["first"].items()}, {k: keep(s) for k, s in parts["last"].items()})
 
 
-# ZeRO-3: the weights whose pullback reads the weight itself (the matrices of the matmuls),
-# gathered again in the backward. Not a norm's gain (its pullback keeps the gain broadcast
-# to the activations), the embedding (a lookup's pullback reads no weight) or the router
-# (its logits use a cast of it, which the pullback keeps): data.formulas.Weight.regather
-ZERO3_REGATHERED = frozenset({"wq", "wk", "wv", "wo", "w_up", "w_gate", "w_down", "unembed"})
-
-
 @functools.cache
 def zero3_dims(cfg: reference.ModelConfig, spec: ParallelSpec) -> dict:
     """{"blocks": {name: dimension of one layer's weight}, "first": {...}, "last": {...}}:

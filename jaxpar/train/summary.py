@@ -36,7 +36,6 @@ from jaxpar.pipeline import direct
 from jaxpar.pipeline import formulas as pipe_formulas
 from jaxpar.pipeline.plan import LANE_SCOPES
 from jaxpar.train import formulas as train_formulas
-from jaxpar.train import model as model_lib
 
 
 def _weights(trainer) -> list:
@@ -96,19 +95,23 @@ def _sum_ranks(by_rank: dict) -> dict[str, float]:
 
 
 def _zero3_weights(trainer, kind: str) -> list:
-    """`kind`'s weights as ZeRO-3's formula reads them: `regather` for the ones a
-    pullback reads itself (model.ZERO3_REGATHERED)."""
-    names = list(trainer.shapes[kind])          # a dict of leaves, in jax.tree order (sorted)
+    """`kind`'s weights as ZeRO-3's formula reads them: `regather` for the ones the
+    backward of their function (the layer, the embedding, the head) gathers again, those
+    its pullback reads itself, as the step's trace recorded (`data.zero.regathered`)."""
+    req = trainer.local.request
+    fn = {"blocks": req.stage_fn.layer_fn, "first": req.first_fn, "last": req.loss_fn}[kind]
+    again = data_zero.regathered(fn)
+    names = sorted(trainer.shapes[kind])        # a dict of leaves, in jax.tree order
     found = weights(trainer.shapes[kind], trainer.param_specs[kind], sizes=trainer.mesh.shape,
                     zero_dims=trainer.zero_dims[kind])
-    return [dataclasses.replace(w, regather=name in model_lib.ZERO3_REGATHERED)
-            for name, w in zip(sorted(names), found, strict=True)]
+    return [dataclasses.replace(w, regather=name in again) for name, w in zip(names, found, strict=True)]
 
 
 def expected_zero3_by_rank(trainer) -> dict[int, dict[str, float]]:
     """{pp rank: {"all-gather": bytes, "reduce-scatter": bytes}} of ZeRO-3 in one step on
-    one device of that rank (`data.formulas.zero3_bytes`), counted as the compiled program
-    runs the uses:
+    one device of that rank (`data.formulas.zero3_bytes`; call it after the step is
+    traced: which weights are gathered again is the trace's, `_zero3_weights`), counted
+    as the compiled program runs the uses:
       pp = 1   each weight gathered once forward (XLA hoists the gather out of the
                microbatch loop: the weights are invariant in it), gathered again in the
                backward and reduce-scattered once per microbatch;

@@ -28,6 +28,9 @@ MESHES = {
     "dp2 pp2 cp2 interleaved zigzag": (ParallelSpec(dp=2, pp=2, cp=2, microbatches=2, schedule="interleaved",
                                                     layout="zigzag", zero=3), verify.DENSE),
     "dp2 ep2 tp2 MoE": (ParallelSpec(dp=2, ep=2, tp=2, zero=3), verify.MOE),
+    "dp2 pp2 ep2 MoE, balance loss and bias": (
+        ParallelSpec(dp=2, pp=2, ep=2, microbatches=2, zero=3),
+        dataclasses.replace(verify.MOE, router="sigmoid", aux_loss=0.01, bias_rate=1e-3)),
 }
 
 
@@ -66,7 +69,12 @@ def test_zero3_stores_a_dp_th_of_every_weight_and_of_its_state():
                 assert local == whole
     mu, mu_plain = state.opt[0].mu, plain.opt[0].mu
     for a, b in zip(jax.tree.leaves(mu), jax.tree.leaves(mu_plain)):
-        assert a.addressable_shards[0].data.size <= b.addressable_shards[0].data.size
+        assert a.addressable_shards[0].data.size * 2 == b.addressable_shards[0].data.size
+    # the compiled step's arguments (weights and AdamW state, 3 weights' bytes): all a dp-th,
+    # where ZeRO-1 keeps the weights whole: (3 / 2) / (1 + 2 / 2) of it at dp = 2
+    arguments = lambda t: t.compiled.memory_analysis().argument_size_in_bytes
+    zero1 = _trainer(dataclasses.replace(spec, zero=1), cfg)
+    assert arguments(trainer) < 0.8 * arguments(zero1)
 
 
 def test_zero3_gathers_inside_the_layers_and_never_after_the_update():

@@ -158,14 +158,15 @@ def gather_for_use(params, dims, *, axis: str = DP):
 
 
 def _after(params, values):
-    """params, made to depend on `values` without changing a value: x + 0.0, the 0.0 a
-    comparison XLA cannot decide before run time (the first floating entry of a leaf of
-    each of `values` above +inf: the cotangent's, and a kept residual's for a cotangent
-    XLA knows, as a loss's). The backward's re-gather reads the weights through it:
-    without it XLA:CPU merges the re-gather with the forward's identical all-gather (even
-    behind a jax.checkpoint's optimization barriers: one all-gather per weight compiled,
-    two lowered) and keeps the whole weights alive from the forward to the backward (what
-    ZeRO-3 exists to avoid)."""
+    """params, made to depend on `values` without changing a value: x + 0.0, the 0.0 from
+    a comparison of run-time values, the first floating entry of a leaf of each of
+    `values` (the cotangent's, and a kept residual's for a cotangent XLA knows, as a
+    loss's) above +inf: always false (nothing is above +inf, NaN neither), which XLA:CPU
+    does not fold (tests/data/test_zero.py counts the compiled re-gather). The backward's
+    re-gather reads the weights through it: without it XLA:CPU merges the re-gather with
+    the forward's identical all-gather (even behind a jax.checkpoint's optimization
+    barriers: one all-gather per weight compiled, two lowered) and keeps the whole weights
+    alive from the forward to the backward (what ZeRO-3 exists to avoid)."""
     firsts = [next((a.reshape(-1)[0] for a in jax.tree.leaves(v) if isinstance(a, jax.core.Tracer)
                     and jnp.issubdtype(a.dtype, jnp.floating) and a.size), None) for v in values]
     firsts = [a for a in firsts if a is not None]

@@ -34,8 +34,9 @@ class ParallelSpec:
     the schedule's own), microbatches: the pipeline. sequence_parallel: Megatron's SP on
     the tp axis. recompute: keep only each stage's input between F and B. zero: 0, 1
     (ZeRO-1: optimizer state sharded over dp), 2 (ZeRO-2: and the gradients; in one
-    compiled step the same program as 1) or 3 (ZeRO-3 / FSDP: and the weights). attention: ring or ulysses over cp;
-    layout: the ring's token order (zigzag balances causal work)."""
+    compiled step the same program as 1) or 3 (ZeRO-3 / FSDP: and the weights, gathered
+    layer by layer; not with recompute or a split backward). attention: ring or ulysses
+    over cp; layout: the ring's token order (zigzag balances causal work)."""
 
     dp: int = 1
     pp: int = 1

@@ -55,7 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"model chunks per device ({', '.join(orders.names(takes_chunks=True))})")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism on tp")
     parser.add_argument("--recompute", action="store_true", help="keep only each stage's input between F and B")
-    parser.add_argument("--zero", type=int, default=0, help="1: ZeRO-1, optimizer state sharded over dp")
+    parser.add_argument("--zero", type=int, default=0,
+                        help="ZeRO over dp: 1 optimizer state sharded, 2 and gradients reduce-scattered (in one "
+                             "compiled step ZeRO-1's program), 3 (FSDP) and the weights sharded, gathered layer by layer")
     parser.add_argument("--dtype", default="float32",
                         help="float32, or bfloat16: the layers compute in bf16, float32 master weights and AdamW "
                              "state, loss and softmax statistics in float32")

@@ -116,7 +116,7 @@ def test_ctrl_c_mid_run_is_one_line_and_closes_the_checkpoints_after_their_save(
     (["--mesh", "tp=3"], "problems"),
     (["--mesh", "xp=2"], "--mesh"),
     (["--mesh", "dp=2", "--schedule", "nope"], "schedule"),
-    (["--mesh", "dp=2", "--zero", "3"], "zero"),
+    (["--mesh", "dp=2", "--zero", "4"], "zero"),
     (["--mesh", "ep=2"], "dense"),
     (["--mesh", "dp=2", "--dtype", "float16"], "--dtype 'float16' is not one of float32, bfloat16"),
     (["--mesh", "dp=2", "--checkpoint", "/dev/null"], "--checkpoint '/dev/null' is a file, not a directory"),

@@ -294,7 +294,8 @@ def summarize(trainer, history, *, out: str | None = None) -> dict:
     compiled = trainer.compiled
     c = collectives(trainer, compiled)
     tokens = trainer.batch_size * trainer.seq_len
-    s = {"spec": trainer.spec.describe(), "mesh": dict(trainer.mesh.shape), "steps": len(history.steps),
+    compute = "" if trainer.compute_dtype is None else f" ({jnp.dtype(trainer.compute_dtype).name} compute)"
+    s = {"spec": trainer.spec.describe() + compute, "mesh": dict(trainer.mesh.shape), "steps": len(history.steps),
          "first_loss": history.losses[0] if history.losses else None,
          "last_loss": history.losses[-1] if history.losses else None,
          "tokens_per_second": history.tokens_per_second(tokens), "step_seconds": history.step_seconds(),

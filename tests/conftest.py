@@ -76,7 +76,10 @@ LONGEST_FIRST = (
     "tests/expert/test_properties.py",
     "tests/tensor/test_properties.py",
     "tests/train/test_checkpoint.py::test_sigkill",
+    "tests/cli/test_train_multihost.py",
+    "tests/train/test_zero3.py",
     "tests/cli/test_train_cli.py",
+    "tests/train/test_bf16.py",
     "tests/train/test_train.py",
     "tests/train/test_balance.py",
 )

@@ -105,9 +105,13 @@ MESHES = (
     Mesh("dp8", dict(dp=8), _ici(data=8)),
     Mesh("fsdp8 / ZeRO-3", dict(dp=8, zero=3), _ici(fsdp=8)),
     Mesh("dp2 x tp4", dict(dp=2, tp=4), _ici(data=2, tensor=4)),
-    # MaxText: 4 layers over 2 stages of 1 layer each = a circular pipeline of 2 repeats
-    Mesh("dp2 x pp2 x tp2, m=4", dict(dp=2, pp=2, tp=2, microbatches=4),
+    # the same placement on both sides. Round-robin: 4 layers over 2 stages of 1 layer each,
+    # MaxText's circular pipeline of 2 repeats, jaxpar's interleaved 1F1B with 2 chunks per
+    # device. Contiguous: 2 layers per stage, MaxText's pipeline without repeats, jaxpar's 1F1B.
+    Mesh("dp2 x pp2 x tp2, m=4, round-robin", dict(dp=2, pp=2, tp=2, microbatches=4, schedule="interleaved", chunks=2),
          {**_ici(data=2, pipeline=2, tensor=2), "num_pipeline_microbatches": 4, "num_layers_per_pipeline_stage": 1}),
+    Mesh("dp2 x pp2 x tp2, m=4, contiguous", dict(dp=2, pp=2, tp=2, microbatches=4, schedule="1f1b"),
+         {**_ici(data=2, pipeline=2, tensor=2), "num_pipeline_microbatches": 4, "num_layers_per_pipeline_stage": 2}),
     Mesh("dp4 x cp2", dict(dp=4, cp=2), _ici(data=4, context=2)),
     Mesh("dp2 x ep4, MoE 8 experts top-2", dict(dp=2, ep=4), _ici(data=2, expert=4), moe=True),
 )

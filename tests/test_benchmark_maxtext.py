@@ -58,9 +58,10 @@ def test_maxtext_gets_the_same_model_batch_and_mesh(mesh):
     assert ici["ici_data_parallelism"] == (1 if zero3 else sizes.get("dp", 1))
     for axis, key in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")):
         assert ici[f"ici_{key}_parallelism"] == sizes.get(axis, 1)
-    if sizes.get("pp", 1) > 1:
+    if sizes.get("pp", 1) > 1:    # the same placement: MaxText's layers per stage = jaxpar's per chunk
+        chunks = sizes.get("chunks") or 1
+        assert int(keys["num_layers_per_pipeline_stage"]) * sizes["pp"] * chunks == cfg.n_layers
         assert int(keys["num_pipeline_microbatches"]) == sizes["microbatches"]
-        assert int(keys["num_layers_per_pipeline_stage"]) * sizes["pp"] < cfg.n_layers   # circular: > 1 repeat
     if mesh.moe:
         assert (int(keys["num_experts"]), int(keys["num_experts_per_tok"])) == (cfg.n_experts, cfg.top_k) == (8, 2)
         assert keys["base_moe_mlp_dim"] == keys["base_mlp_dim"] and float(keys["capacity_factor"]) < 0

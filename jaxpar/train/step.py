@@ -177,58 +177,17 @@ class Trainer:
     # ---- the step -------------------------------------------------------------------------
 
     def _build(self):
+        """The jitted step: `_loss_and_gradients` and `_update` on every device, in one shard_map."""
         req = self.local.request
         # one stage: nothing to schedule, the plain value_and_grad (pipeline.direct)
         program = Direct(req) if self.spec.pp == 1 else self.local.program
-        m, tx, clip = self.schedule.microbatches, self.tx, self.optim.clip
-        batch_axes = req.batch_axes
-        pp = (PP,) if self.spec.pp > 1 else ()
-        zero_dims, fsdp = self.zero_dims, self.spec.zero == 3
-        sharded_state = bool(self.spec.zero) and not fsdp     # ZeRO-1 and -2: the same program
-        cfg, balancing, tp = self.cfg, balance.enabled(self.cfg), self.spec.tp
-        stats_axes = batch_axes + ((TP,) if tp > 1 else ())
-        shards = math.prod(self.mesh.shape[a] for a in batch_axes)
-
-        def reduce(grads, pspecs, dims, extra):
-            """Data parallelism's one reduction (under ZeRO-1 its dp part a reduce-scatter;
-            under ZeRO-3 the layers' backward did that: a weight's stored spec names dp)."""
-            if sharded_state:
-                return zero.reduce_scatter_gradients(grads, pspecs, dims, batch_axes=batch_axes, extra=extra)
-            return reduce_gradients(grads, pspecs, batch_axes=batch_axes, extra=extra)
 
         def per_device(state, inputs, targets):
-            params = state.params
-            # mixed precision: the weights as the layers use them, cast before any layer
-            weights = reference.cast(params, self.compute_dtype)
-            blocks = jax.tree.map(lambda a: a[0], weights["blocks"])
-            if balancing:
-                blocks = {**blocks, balance.STATS: balance.slots(blocks, cfg, tp, self.dtype)}
-            xs, ts = to_microbatches(inputs, m), to_microbatches(targets, m)            # [m, mb, ...]
-            loss, g_blocks, _, g_first, g_last = program(blocks, xs, ts, weights["first"], weights["last"])
-            if self.compute_dtype is not None:      # the cast's transpose: reductions and AdamW in dtype
-                g_blocks, g_first, g_last = reference.cast((g_blocks, g_first, g_last), self.dtype)
-            if balancing:
-                g_blocks = dict(g_blocks)
-                load, aux = balance.totals(g_blocks.pop(balance.STATS), stats_axes)   # [v, Lc, E], [v, Lc]
-                # this pp rank's layers' balance loss, folded into the loss's own sum over the
-                # batch axes (each of the `shards` adds its share) and pp
-                loss = loss + (cfg.aux_loss / self.batch_size * jnp.sum(aux) / shards).astype(loss.dtype)
-            over = batch_axes + pp
-            loss = jax.lax.psum(loss, over) if over else loss
-            grads = {"blocks": jax.tree.map(lambda a: a[None], g_blocks), "first": g_first, "last": g_last}
-            grads = {k: reduce(grads[k], self.stored_param_specs[k], zero_dims[k], () if k == "blocks" else pp)
-                     for k in grads}
-            norm = optim_lib.global_norm(grads)
-            grads = optim_lib.clip(grads, norm, clip)
-            own = zero.slice_params(params, zero_dims) if sharded_state else params       # ZeRO-1: a dp-th
-            updates, opt = tx.update(grads, state.opt, own)
-            new = optax.apply_updates(own, updates)
-            new = zero.gather_params(new, zero_dims) if sharded_state else new
-            if balancing:
-                new = balance.update_bias(new, params, load, cfg)
+            loss, grads, load = self._loss_and_gradients(program, state.params, inputs, targets)
+            params, opt, norm = self._update(state, grads, load)
             lr = self.optim.schedule()(state.step)
-            return TrainState(step=state.step + 1, params=new, opt=opt), dict(loss=loss[None], norm=norm[None],
-                                                                              lr=lr)
+            return TrainState(step=state.step + 1, params=params, opt=opt), dict(loss=loss[None], norm=norm[None],
+                                                                                 lr=lr)
 
         metric_specs = dict(loss=self.metric_spec, norm=self.metric_spec, lr=P())
         sharded = jax.shard_map(per_device, mesh=self.mesh, in_specs=(self.state_specs, req.in_spec, req.target_spec),
@@ -240,6 +199,72 @@ class Trainer:
             state, metrics = sharded(state, inputs, targets)
             return state, {**metrics, "loss": metrics["loss"][0], "norm": metrics["norm"][0]}
         return jax.jit(step, donate_argnums=(0,), compiler_options=runtime.compiler_options(self.mesh))
+
+    @property
+    def _pp_axes(self) -> tuple[str, ...]:
+        """(PP,) when the pipeline has several stages: the first and last stages' sums run over it."""
+        return (PP,) if self.spec.pp > 1 else ()
+
+    def _loss_and_gradients(self, program, params, inputs, targets):
+        """This device's part of the step's math: (the loss summed over the batch axes and pp,
+        the gradients {"blocks", "first", "last"} before data parallelism's reduction, in
+        the weights' dtype, the MoE layers' loads [v, Lc, E] or None). inputs / targets
+        [B', T'] are this device's tokens; `program` the pipeline (or one-stage) program."""
+        cfg, tp, batch_axes = self.cfg, self.spec.tp, self.local.request.batch_axes
+        balancing = balance.enabled(cfg)
+        # mixed precision: the weights as the layers use them, cast before any layer
+        weights = reference.cast(params, self.compute_dtype)
+        blocks = jax.tree.map(lambda a: a[0], weights["blocks"])
+        if balancing:
+            blocks = {**blocks, balance.STATS: balance.slots(blocks, cfg, tp, self.dtype)}
+        m = self.schedule.microbatches
+        xs, ts = to_microbatches(inputs, m), to_microbatches(targets, m)            # [m, mb, ...]
+        loss, g_blocks, _, g_first, g_last = program(blocks, xs, ts, weights["first"], weights["last"])
+        if self.compute_dtype is not None:      # the cast's transpose: reductions and AdamW in dtype
+            g_blocks, g_first, g_last = reference.cast((g_blocks, g_first, g_last), self.dtype)
+        load = None
+        if balancing:
+            g_blocks = dict(g_blocks)
+            stats_axes = batch_axes + ((TP,) if tp > 1 else ())
+            load, aux = balance.totals(g_blocks.pop(balance.STATS), stats_axes)   # [v, Lc, E], [v, Lc]
+            # this pp rank's layers' balance loss, folded into the loss's own sum over the
+            # batch axes (each of the `shards` adds its share) and pp
+            shards = math.prod(self.mesh.shape[a] for a in batch_axes)
+            loss = loss + (cfg.aux_loss / self.batch_size * jnp.sum(aux) / shards).astype(loss.dtype)
+        over = batch_axes + self._pp_axes
+        loss = jax.lax.psum(loss, over) if over else loss
+        grads = {"blocks": jax.tree.map(lambda a: a[None], g_blocks), "first": g_first, "last": g_last}
+        return loss, grads, load
+
+    def _reduce(self, part: str, grads, sharded_state: bool):
+        """One part's ("blocks", "first", "last") gradients summed over the batch axes its
+        stored specs do not split, the first and last stages' also over pp; over dp a
+        reduce-scatter when the optimizer state is sharded (ZeRO-1, -2)."""
+        pspecs, extra = self.stored_param_specs[part], () if part == "blocks" else self._pp_axes
+        batch_axes = self.local.request.batch_axes
+        if sharded_state:
+            return zero.reduce_scatter_gradients(grads, pspecs, self.zero_dims[part], batch_axes=batch_axes,
+                                                 extra=extra)
+        return reduce_gradients(grads, pspecs, batch_axes=batch_axes, extra=extra)
+
+    def _update(self, state: TrainState, grads: dict, load):
+        """Data parallelism's one reduction, the global norm, clipping and AdamW: (the new
+        weights, the new optimizer state, the norm). ZeRO-1 and -2 reduce-scatter over dp,
+        update a dp-th and all-gather it; under ZeRO-3 the layers' backward already
+        reduce-scattered (a weight's stored spec names dp) and the dp-th stays as it is."""
+        zero_dims = self.zero_dims
+        sharded_state = bool(self.spec.zero) and self.spec.zero != 3     # ZeRO-1 and -2: the same program
+        grads = {k: self._reduce(k, g, sharded_state) for k, g in grads.items()}
+        norm = optim_lib.global_norm(grads)
+        grads = optim_lib.clip(grads, norm, self.optim.clip)
+        params = state.params
+        own = zero.slice_params(params, zero_dims) if sharded_state else params       # ZeRO-1: a dp-th
+        updates, opt = self.tx.update(grads, state.opt, own)
+        new = optax.apply_updates(own, updates)
+        new = zero.gather_params(new, zero_dims) if sharded_state else new
+        if load is not None:
+            new = balance.update_bias(new, params, load, self.cfg)
+        return new, opt, norm
 
     # ---- state ------------------------------------------------------------------------------
 

@@ -6,17 +6,15 @@ computes the single-process answer.
 
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import jax
 import numpy as np
-import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import mesh
+from tests.processes import free_port, run_together
 
 sys.path.insert(0, str(Path(__file__).parent))
 from multiprocess_worker import global_input  # noqa: E402  (the input both sides use)
@@ -25,34 +23,14 @@ WORKER = Path(__file__).with_name("multiprocess_worker.py")
 TIMEOUT_S = 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_workers() -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=TIMEOUT_S))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        logs = [p.communicate() for p in procs]
-        pytest.fail(f"workers did not finish in {TIMEOUT_S}s; stderr:\n" +
-                    "\n".join(f"--- worker {i}\n{err[-3000:]}" for i, (_, err) in enumerate(logs)))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"worker {i} exited {p.returncode}; stderr:\n{err[-3000:]}"
-    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    port = free_port()
+    done = run_together([[sys.executable, str(WORKER), str(i), str(port)] for i in range(2)], env=env,
+                        timeout_s=TIMEOUT_S)
+    for i, p in enumerate(done):
+        assert p.returncode == 0, f"worker {i} exited {p.returncode}; stderr:\n{p.stderr[-3000:]}"
+    return [json.loads(p.stdout.strip().splitlines()[-1]) for p in done]
 
 
 def test_two_processes_of_four_devices_psum_like_one_process_of_eight():

@@ -6,14 +6,13 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from jaxpar.cli.main import main as cli_main
+from tests.processes import free_port, run_together
 
 ROOT = Path(__file__).parents[2]
 TIMEOUT_S = 300       # two processes compiling at once on a loaded 2-core machine
@@ -22,12 +21,6 @@ RTOL = 1e-5
 ARGS = ["train", "--mesh", "dp=4,tp=2", "--layers", "2", "--d-model", "16", "--heads", "4", "--kv-heads", "2",
         "--ffn", "32", "--vocab", "32", "--seq", "8", "--steps", "4", "--eval-every", "2", "--eval-batches", "1",
         "--every", "2", "--json"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _summary(stdout: str) -> dict:
@@ -41,26 +34,11 @@ def _two_processes(tmp_path) -> list[subprocess.CompletedProcess]:
     env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
         "PYTHONPATH", "")]), "XLA_FLAGS": re.sub(r"--xla_force_host_platform_device_count=\d+", "",
                                                  os.environ.get("XLA_FLAGS", ""))}
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "jaxpar", *ARGS, "--devices", "4", "--coordinator", f"127.0.0.1:{port}",
             "--processes", "2", "--checkpoint", str(tmp_path / "ckpt"), "--log", str(tmp_path / "log.jsonl"),
             "--out", str(tmp_path / "out")]
-    procs = [subprocess.Popen(argv + ["--process-id", str(i)], env=env, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE) for i in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=TIMEOUT_S))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"the 2 processes did not finish in {TIMEOUT_S} s:\n" + "\n".join(
-            f"--- process {i}\n{p.communicate()[1][-3000:]}" for i, p in enumerate(procs)))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+    return run_together([argv + ["--process-id", str(i)] for i in range(2)], env=env, timeout_s=TIMEOUT_S)
 
 
 def _close(a: list[float], b: list[float]) -> bool:

@@ -247,7 +247,7 @@ def main(args) -> int:
         errors.writable_path("profile", args.profile, directory=True)
 
     from jaxpar.train.checkpoint import Checkpoints
-    from jaxpar.train.loop import fit
+    from jaxpar.train.loop import Profiling, Validation, fit
     from jaxpar.train.optim import OptimConfig
     from jaxpar.train.step import Trainer
 
@@ -259,9 +259,10 @@ def main(args) -> int:
         ckpt = stack.enter_context(Checkpoints(args.checkpoint, every=args.every)) if args.checkpoint else None
         trainer = Trainer(cfg, spec, optim, batch_size=batch, seq_len=args.seq, devices=devices[:spec.devices],
                           compute_dtype=compute)
+        validation = Validation(every_eval, args.eval_batches) if every_eval is not None else None
         _, history = fit(trainer, steps=args.steps, corpus=data, checkpoints=ckpt, log=args.log,
-                         progress=not (args.quiet or args.json), eval_every=every_eval,
-                         eval_batches=args.eval_batches, profile=args.profile)
+                         progress=not (args.quiet or args.json), validation=validation,
+                         profiling=Profiling(args.profile) if args.profile is not None else None)
     return _report(args, trainer, history)
 
 

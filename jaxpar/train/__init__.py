@@ -29,6 +29,6 @@ _EXPORTS = {
     "data": ("Corpus",),
     "text": ("TokenData", "prepare", "check_vocab"),
     "checkpoint": ("CheckpointError", "Checkpoints"),
-    "loop": ("History", "fit"),
+    "loop": ("History", "Profiling", "Validation", "fit"),
 }
 __getattr__, __dir__, __all__ = lazy.exports(__name__, _EXPORTS)

@@ -3,7 +3,7 @@ checkpoints, and resuming where a killed run left off.
 
     with Checkpoints("ckpt", every=20) as ckpt:        # its background threads end with the block
         state, history = fit(trainer, steps=200, checkpoints=ckpt, log="steps.jsonl",
-                             eval_every=20, eval_batches=4)
+                             validation=Validation(every=20, batches=4))
 
 Batch i is `data.batch(i, ...)` whatever happened before, and a resumed run restores
 the latest intact checkpoint (on whatever mesh `trainer` has), so its losses are the
@@ -66,6 +66,15 @@ class History:
         if k < len(self.val_losses) and self.val_losses[k] is not None:
             out["val_loss"] = self.val_losses[k]
         return out
+
+    def record(self, step: int, loss: float, metrics: dict, seconds: float, val_loss: float | None) -> None:
+        """Step `step`'s figures (metrics: the step's norm and lr; val_loss None: not measured)."""
+        self.steps.append(step)
+        self.losses.append(loss)
+        self.norms.append(float(metrics["norm"]))
+        self.lrs.append(float(metrics["lr"]))
+        self.seconds.append(seconds)
+        self.val_losses.append(val_loss)
 
     def rows(self) -> list[dict]:
         return [self.row(k) for k in range(len(self.steps))]
@@ -232,47 +241,71 @@ def _progress_text(history: History, trainer: Trainer, tokens: int, device_kind:
     return "  ".join(parts)
 
 
+@dataclasses.dataclass(frozen=True)
+class Validation:
+    """The mean loss over `batches` validation batches, after every `every`-th step and
+    after the last (`fit(validation=...)`)."""
+
+    every: int
+    batches: int = 1
+
+    def __post_init__(self):
+        errors.whole("eval_every", self.every, fix="eval_every is the steps between validations, e.g. eval_every=20")
+        errors.whole("eval_batches", self.batches, maximum=1 << 20,
+                     fix="eval_batches is the validation batches averaged, e.g. eval_batches=4")
+
+    def due(self, i: int, steps: int) -> bool:
+        """Whether the loss is measured after step i of a run to `steps`."""
+        return (i + 1) % self.every == 0 or i + 1 == steps
+
+    def check_data(self, data) -> None:
+        if not callable(getattr(data, "validation_batch", None)):
+            raise ConfigError(f"eval_every={self.every}: the data ({type(data).__name__}) has no "
+                              "validation_batch(k, *, batch_size, seq_len, rows=None); give data with "
+                              "held-out batches, or no validation")
+
+
+@dataclasses.dataclass(frozen=True)
+class Profiling:
+    """`jax.profiler.trace` of `steps` steps after the first (which compiles), written under
+    `directory` (`fit(profiling=...)`)."""
+
+    directory: str
+    steps: int = 3
+
+    def __post_init__(self):
+        errors.whole("profile_steps", self.steps, maximum=1 << 10)
+
+
 def fit(trainer: Trainer, *, steps: int, corpus=None, state: TrainState | None = None,
         checkpoints: Checkpoints | None = None, log: str | None = None, progress: bool = True,
-        key=None, on_step=None, eval_every: int | None = None, eval_batches: int = 1,
-        profile: str | None = None, profile_steps: int = 3) -> tuple[TrainState, History]:
+        on_step=None, validation: Validation | None = None,
+        profiling: Profiling | None = None) -> tuple[TrainState, History]:
     """Train to `steps` steps in all; resume from `checkpoints`' latest step when it has
-    one (and no `state` is given), save every `checkpoints.every` steps and the last.
+    one (and no `state` is given: else trainer.init()), save every `checkpoints.every`
+    steps and the last.
 
-    corpus: the data (default: `Corpus(vocab=cfg.vocab)`). eval_every: measure the mean
-    loss over `eval_batches` validation batches after every eval_every-th step and after
-    the last (None: never). profile: a directory where `jax.profiler.trace` records
-    `profile_steps` steps after the first (which compiles). progress: the tqdm line on
-    stderr. on_step(i, metrics) runs after each step. In a multi-process job only process
-    0 writes the log and draws the progress line. The caller owns `checkpoints` (close
-    it, or use `with`: its background threads end there)."""
+    corpus: the data (default: `Corpus(vocab=cfg.vocab)`). validation: when to measure
+    the validation loss (None: never). profiling: a trace of a few steps (None: none).
+    progress: the tqdm line on stderr. on_step(i, metrics) runs after each step. In a
+    multi-process job only process 0 writes the log and draws the progress line. The
+    caller owns `checkpoints` (close it, or use `with`: its background threads end there)."""
     log = errors.writable_path("log", log) if log is not None else None
     corpus = Corpus(vocab=trainer.cfg.vocab) if corpus is None else corpus
-    if eval_every is not None:
-        errors.whole("eval_every", eval_every, fix="eval_every is the steps between validations, e.g. eval_every=20")
-        errors.whole("eval_batches", eval_batches, maximum=1 << 20,
-                     fix="eval_batches is the validation batches averaged, e.g. eval_batches=4")
-        if not callable(getattr(corpus, "validation_batch", None)):
-            raise ConfigError(f"eval_every={eval_every}: the data ({type(corpus).__name__}) has no "
-                              "validation_batch(k, *, batch_size, seq_len, rows=None); give data with "
-                              "held-out batches, or eval_every=None")
-    if profile is not None:
-        errors.whole("profile_steps", profile_steps, maximum=1 << 10)
+    if validation is not None:
+        validation.check_data(corpus)
     history = History()
-    if state is None and checkpoints is not None and checkpoints.latest() is not None:
-        state = checkpoints.restore(trainer)
-        history.resumed_from = int(jax.device_get(state.step))
-    if state is None:
-        state = trainer.init(key)
+    state = _resume_or_init(trainer, state, checkpoints, history)
     start = int(jax.device_get(state.step))
-    tokens = trainer.batch_size * trainer.seq_len
     lead = jax.process_index() == 0
-    device_kind = trainer.mesh.devices.flat[0].device_kind
-    profiler = _Profile(profile, start + 1 if steps - start > 1 else start, profile_steps)
+    profiler = _Profile(profiling and profiling.directory, start + 1 if steps - start > 1 else start,
+                        profiling.steps if profiling else 0)
     out = open(log, "a") if log and lead else None
-    last_val = None
     bar = _ProgressLine(total=steps, initial=start, disable=not (progress and lead and steps > start),
                         dynamic_ncols=True, bar_format="step {n_fmt}/{total_fmt} |{bar:16}| {stats}")
+    line = functools.partial(_progress_text, trainer=trainer, tokens=trainer.batch_size * trainer.seq_len,
+                             device_kind=trainer.mesh.devices.flat[0].device_kind)
+    last_val = None
     try:
         for i in range(start, steps):
             read = functools.partial(corpus.batch, i, batch_size=trainer.batch_size, seq_len=trainer.seq_len)
@@ -283,14 +316,10 @@ def fit(trainer: Trainer, *, steps: int, corpus=None, state: TrainState | None =
             loss = float(metrics["loss"])
             dt = time.perf_counter() - t0
             profiler.after(i)
-            history.steps.append(i)
-            history.losses.append(loss)
-            history.norms.append(float(metrics["norm"]))
-            history.lrs.append(float(metrics["lr"]))
-            history.seconds.append(dt)
-            measure = eval_every is not None and ((i + 1) % eval_every == 0 or i + 1 == steps)
-            history.val_losses.append(validation_loss(trainer, state, corpus, eval_batches) if measure else None)
-            last_val = history.val_losses[-1] if measure else last_val
+            measured = validation is not None and validation.due(i, steps)
+            val = validation_loss(trainer, state, corpus, validation.batches) if measured else None
+            history.record(i, loss, metrics, dt, val)
+            last_val = val if measured else last_val
             if out:
                 out.write(json.dumps(history.row(-1)) + "\n")
                 out.flush()
@@ -299,7 +328,7 @@ def fit(trainer: Trainer, *, steps: int, corpus=None, state: TrainState | None =
             if on_step is not None:
                 on_step(i, metrics)
             if not bar.disable:
-                bar.stats = _progress_text(history, trainer, tokens, device_kind, last_val)
+                bar.stats = line(history, val=last_val)
                 bar.update(1)
         profiler.stop()
         history.profile = profiler.record()
@@ -313,3 +342,13 @@ def fit(trainer: Trainer, *, steps: int, corpus=None, state: TrainState | None =
         if out:
             out.close()
     return state, history
+
+
+def _resume_or_init(trainer: Trainer, state: TrainState | None, checkpoints: Checkpoints | None,
+                    history: History) -> TrainState:
+    """`state` if given; else the checkpoints' latest step (noted in history.resumed_from);
+    else a fresh state."""
+    if state is None and checkpoints is not None and checkpoints.latest() is not None:
+        state = checkpoints.restore(trainer)
+        history.resumed_from = int(jax.device_get(state.step))
+    return trainer.init() if state is None else state

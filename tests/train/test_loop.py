@@ -15,7 +15,7 @@ from jaxpar import reference
 from jaxpar.errors import ConfigError
 from jaxpar.train import loop, verify
 from jaxpar.train.data import Corpus
-from jaxpar.train.loop import fit
+from jaxpar.train.loop import Profiling, Validation, fit
 from jaxpar.train.step import Trainer
 
 # the checkpoint tests' request: the same compiled step
@@ -55,7 +55,7 @@ def test_validation_losses_are_the_reference_models_on_held_out_batches(trainer,
     log's rows and on the progress line (stderr), with tokens/s, ms/step and MFU (n/a on
     CPU: no peak is known)."""
     corpus = RecordingCorpus(vocab=CFG.vocab)
-    state, history = fit(trainer, steps=5, corpus=corpus, eval_every=2, eval_batches=2, log=str(tmp_path / "l"))
+    state, history = fit(trainer, steps=5, corpus=corpus, validation=Validation(every=2, batches=2), log=str(tmp_path / "l"))
     assert [s for s, _ in history.validation()] == [1, 3, 4]
     assert [k for kind, k, _ in corpus.asked if kind == "validation"] == [0, 1] * 3
     assert all(rows is None for _, _, rows in corpus.asked)         # one process: it reads whole batches
@@ -98,7 +98,7 @@ def test_a_process_reads_only_its_own_rows():
 
 
 def test_profile_traces_steps_after_the_first(trainer, tmp_path):
-    _, history = fit(trainer, steps=4, progress=False, profile=str(tmp_path / "trace"), profile_steps=2)
+    _, history = fit(trainer, steps=4, progress=False, profiling=Profiling(str(tmp_path / "trace"), steps=2))
     assert history.profile["steps"] == [1, 2] and history.profile["file"].endswith(".xplane.pb")
     measured = loop.throughput.collective_time(history.profile["file"], trainer.compiled.as_text())
     assert measured is not None and 0 < measured["fraction"] < 1
@@ -109,9 +109,9 @@ def test_refusals(trainer):
         def batch(self, step, *, batch_size, seq_len, rows=None):
             return np.zeros((batch_size, seq_len + 1), np.int32)
     with pytest.raises(ConfigError, match="has no validation_batch"):
-        fit(trainer, steps=1, corpus=NoValidation(), eval_every=1, progress=False)
+        fit(trainer, steps=1, corpus=NoValidation(), validation=Validation(every=1), progress=False)
     with pytest.raises(ConfigError, match="eval_every=0"):
-        fit(trainer, steps=1, eval_every=0, progress=False)
+        fit(trainer, steps=1, validation=Validation(every=0), progress=False)
 
     class TooLarge(NoValidation):
         def batch(self, step, *, batch_size, seq_len, rows=None):

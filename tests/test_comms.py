@@ -365,3 +365,30 @@ ENTRY %main (x: f32[64,16]) -> f32[8,16] {
 def test_reader_counts_an_async_wrapped_collective_once():
     ops = comms.collective_ops_from_hlo(ASYNC_WRAPPED_HLO)
     assert [(op.kind, op.bytes, op.group_size, op.executions) for op in ops] == [("reduce-scatter", 8 * BLOCK, 8, 1)]
+
+
+_MERGED = """HloModule m, num_partitions=2
+
+ENTRY %main (p0: f32[4], p1: f32[8]) -> (f32[4], f32[8]) {
+  %p0 = f32[4]{0} parameter(0)
+  %p1 = f32[8]{0} parameter(1)
+  ROOT %all-reduce = (f32[4]{0}, f32[8]{0}) all-reduce(%p0, %p1), channel_id=1, replica_groups=[1,2]<=[2], to_apply=%add, metadata={op_name="jit(f)/shard_map/(NAMES)"}
+}
+"""
+
+
+def test_a_merged_all_reduce_splits_into_the_collectives_it_was_made_of():
+    # XLA's combiner names the parts it merged, one per tuple element, after their common prefix
+    hlo = _MERGED.replace("NAMES", "a/psum:transpose(jvp(b:c))/psum")
+    (whole,) = comms.collective_ops_from_hlo(hlo)
+    assert (whole.bytes, whole.group_size) == (48, 2)
+    parts = comms.collective_ops_from_hlo(hlo, split_combined=True)
+    assert [(p.kind, p.bytes, p.scope) for p in parts] == [
+        ("all-reduce", 16, "jit(f)/shard_map/a/psum"), ("all-reduce", 32, "jit(f)/shard_map/transpose(jvp(b:c))/psum")]
+    assert all(p.group_size == 2 and p.executions == 1 for p in parts)
+
+
+@pytest.mark.parametrize("names", ["a/psum", "a/psum:b/psum:c/psum"])
+def test_a_merged_all_reduce_whose_names_do_not_match_its_elements_stays_whole(names):
+    (op,) = comms.collective_ops_from_hlo(_MERGED.replace("NAMES", names), split_combined=True)
+    assert op.bytes == 48

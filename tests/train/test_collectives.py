@@ -39,3 +39,18 @@ def test_a_wrong_formula_is_noticed():
     c = summary.collectives(trainer, trainer.compiled)
     c["expected_stages"][0] = c["expected_stages"][0] + comms.Collectives({"all-reduce": (1, 4)})
     assert not summary.matches(c)
+
+
+def test_at_one_stage_a_formula_below_the_measured_bytes_is_noticed():
+    # the one-stage program's stage collectives are bounded by the formula: fewer bytes in it
+    # than the program moves, or a kind it lacks, fails the check
+    trainer = Trainer(verify.DENSE, CASES["dp4 tp2 SP ZeRO-1"], verify.OPTIM, batch_size=8, seq_len=16)
+    c = summary.collectives(trainer, trainer.compiled)
+    assert summary.matches(c)
+    measured, expected = c["stages"][0], c["expected_stages"][0]
+    kind = next(iter(measured))
+    c["expected_stages"][0] = comms.Collectives(
+        {k: (n, measured[k][1] - 4 if k == kind else b) for k, (n, b) in expected.items()})
+    assert not summary.matches(c)
+    c["expected_stages"][0] = comms.Collectives({k: v for k, v in expected.items() if k != kind})
+    assert not summary.matches(c)

@@ -17,6 +17,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.pipeline import orders
 from jaxpar.pipeline import plan as plan_lib
 from jaxpar.pipeline.schedule import Schedule
+from jaxpar.pipeline.timing import Costs
 
 
 # Closed forms by the shape of the timeline; `orders.Kind.bubble` and `Kind.in_flight`
@@ -53,6 +54,46 @@ def bubble(name: str, p: int, m: int, chunks: int = 1) -> float:
         raise ConfigError(f"no closed-form bubble for {name!r}: one of {', '.join(with_form)} (the others are "
                           "read off their tables: schedule.make(name, ...).bubble_fraction)")
     return BUBBLES[form](p, m, chunks)
+
+
+# Bubble time, cost - m(F+B+W), of the named schedule timed with float costs and comm
+# (timing.timed; cost = the longest device span, Qi et al.'s): (form, its domain, what the
+# domain says). Qi et al.'s Table 2 gives the comm-free forms; the comm terms are what the
+# timed tables give: ZB-H2's 2 comm (the first microbatch's round trip, once per stage),
+# ZB-H1's 4 comm (its round trip in the warm-up and again in the drain). 1F1B's comm term
+# grows with m (each steady-state round trip waits), so its form holds without comm only.
+# The domains are sufficient conditions, checked on random float costs by the tests.
+TIMED_BUBBLES: dict[str, tuple[Callable[..., float], Callable[..., bool], str]] = {
+    "1f1b": (lambda p, m, F, B, W, comm: (p - 1) * (F + B + W),
+             lambda p, m, F, B, W, comm: comm == 0,
+             "comm = 0"),
+    "zb-h1": (lambda p, m, F, B, W, comm: (p - 1) * (F + B - W + 4 * comm),
+              lambda p, m, F, B, W, comm: W <= F and (comm == 0 or (2 * comm <= W and m > p)),
+              "W <= F, and with comm > 0 also 2 comm <= W and microbatches > stages"),
+    "zb-h2": (lambda p, m, F, B, W, comm: (p - 1) * (F + B + 2 * comm - 2 * W),
+              lambda p, m, F, B, W, comm: m >= 2 * p - 1 and W <= F and 2 * W <= B + 2 * comm,
+              "microbatches >= 2 stages - 1, W <= F and 2W <= B + 2 comm"),
+}
+
+
+def bubble_time(name: str, p: int, m: int, costs: Costs) -> float:
+    """Bubble time of `name` (1f1b, zb-h1, zb-h2) with p stages, m microbatches and equal
+    stages' float `costs`: the longest device span minus m(F+B+W), as `timing.timed` gives
+    it, by closed form (TIMED_BUBBLES). ConfigError outside the form's domain."""
+    if name not in TIMED_BUBBLES:
+        raise ConfigError(f"no closed form with float costs for {name!r}: one of {', '.join(TIMED_BUBBLES)} "
+                          "(time the others: timing.timed(schedule.make(name, ...), costs))")
+    errors.whole("p", p)
+    errors.whole("m", m)
+    if not isinstance(costs, Costs) or any(isinstance(getattr(costs, k), tuple) for k in "FBW"):
+        raise ConfigError(f"costs={costs!r}: the closed forms take equal stages, one number each for F, B "
+                          "and W (Costs(F=1.0, B=1.0, W=1.0)); time uneven stages with timing.timed")
+    form, domain, said = TIMED_BUBBLES[name]
+    values = (p, m, costs.F, costs.B, costs.W, costs.comm)
+    if not domain(*values):
+        raise ConfigError(f"{name} with p={p}, m={m}, F={costs.F}, B={costs.B}, W={costs.W}, comm={costs.comm}: "
+                          f"its closed form holds for {said}; time it instead: timing.timed(schedule.make(...), costs)")
+    return form(*values)
 
 
 def in_flight(name: str, *, p: int, m: int, chunks: int = 1) -> float:

@@ -1,0 +1,151 @@
+"""The numbers Qi et al. publish for their pipeline schedules, as data, so that jaxpar's
+timing can be held against them (tests/pipeline/test_timing.py, `jaxpar schedule
+--published`).
+
+Source: Penghui Qi, Xinyi Wan, Guangxing Huang, Min Lin, "Zero Bubble Pipeline
+Parallelism", ICLR 2024 (arXiv 2401.10241):
+
+    MODELS    Table 3: the GPT-3-like models of the experiments
+    PROFILED  Table 6 (appendix D): the profiled T_F, T_B, T_W and T_comm of each setting,
+              in milliseconds, "used to calculate bubble rates for all the methods"
+    BUBBLES   Table 5: the bubble rates of 1F1B, 1F1B-I (interleaved, one layer per chunk),
+              ZB-H1, ZB-H2, ZB-1p and ZB-2p (searched under the memory limits p M_B and
+              2p M_B) per setting. The paper's bubble rate is (cost - m(T_F + T_B + T_W)) /
+              cost, with cost "the largest execution time of all stages" (section 5.3).
+
+`timing.timed(schedule.make(name, p, m), profiled_costs(model, m))` gives the 1F1B, ZB-H1
+and ZB-H2 columns to all four published decimals in every row (`reproduced`). The 1F1B-I
+column needs as many chunks as layers per stage, with uneven layer counts (the first and
+last stage hold one layer fewer), and ZB-1p / ZB-2p are searched schedules: the table
+keeps them as reference figures only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from jaxpar.errors import ConfigError
+from jaxpar.pipeline import schedule as schedule_lib
+from jaxpar.pipeline.timing import Costs, timed
+
+CITATION = 'Qi et al. 2023, "Zero Bubble Pipeline Parallelism", ICLR 2024, arXiv 2401.10241'
+
+
+class Model(NamedTuple):
+    """Table 3: a model of the experiments and its fixed settings."""
+
+    layers: int
+    heads: int
+    hidden: int
+    sequence: int
+    stages: int            # pipeline stages = GPUs
+    microbatch_size: int
+
+
+class Profiled(NamedTuple):
+    """Table 6: one setting's profiled times, in ms."""
+
+    F: float
+    B: float
+    W: float
+    comm: float
+
+
+class Bubbles(NamedTuple):
+    """Table 5: one setting's published bubble rates (column names as the paper's)."""
+
+    one_f_one_b: float     # 1F1B
+    interleaved: float     # 1F1B-I
+    zb_h1: float           # ZB-H1
+    zb_h2: float           # ZB-H2
+    zb_1p: float           # ZB-1p: searched, memory limit p M_B
+    zb_2p: float           # ZB-2p: searched, memory limit 2p M_B
+
+
+MODELS: dict[str, Model] = {
+    "1.5B": Model(layers=22, heads=24, hidden=2304, sequence=1024, stages=8, microbatch_size=6),
+    "6.2B": Model(layers=30, heads=32, hidden=4096, sequence=1024, stages=8, microbatch_size=3),
+    "14.6B": Model(layers=46, heads=40, hidden=5120, sequence=1024, stages=16, microbatch_size=1),
+    "28.3B": Model(layers=62, heads=48, hidden=6144, sequence=1024, stages=32, microbatch_size=1),
+}
+
+# (model, microbatches) -> Table 6's profiled times.
+PROFILED: dict[tuple[str, int], Profiled] = {
+    ("1.5B", 24): Profiled(18.522, 18.086, 9.337, 0.601),
+    ("1.5B", 32): Profiled(18.513, 18.086, 9.331, 0.626),
+    ("1.5B", 64): Profiled(18.546, 18.097, 9.321, 0.762),
+    ("6.2B", 24): Profiled(29.718, 29.444, 19.927, 0.527),
+    ("6.2B", 32): Profiled(29.802, 29.428, 19.530, 0.577),
+    ("6.2B", 64): Profiled(29.935, 29.621, 19.388, 0.535),
+    ("14.6B", 48): Profiled(11.347, 11.248, 8.132, 0.377),
+    ("14.6B", 64): Profiled(11.307, 11.254, 8.101, 0.379),
+    ("14.6B", 128): Profiled(11.325, 11.308, 8.109, 0.378),
+    ("28.3B", 96): Profiled(10.419, 10.207, 7.715, 0.408),
+    ("28.3B", 128): Profiled(10.408, 10.204, 7.703, 0.408),
+    ("28.3B", 256): Profiled(10.402, 10.248, 7.698, 0.460),
+}
+
+# (model, microbatches) -> Table 5's bubble rates; p is MODELS[model].stages.
+BUBBLES: dict[tuple[str, int], Bubbles] = {
+    ("1.5B", 24): Bubbles(0.2431, 0.1055, 0.1585, 0.1083, 0.1585, 0.0433),
+    ("1.5B", 32): Bubbles(0.1985, 0.0818, 0.1242, 0.0837, 0.1242, 0.0039),
+    ("1.5B", 64): Bubbles(0.1240, 0.0443, 0.0674, 0.0444, 0.0674, 0.0026),
+    ("6.2B", 24): Bubbles(0.2347, 0.0808, 0.1323, 0.0698, 0.1323, 0.0029),
+    ("6.2B", 32): Bubbles(0.1898, 0.0628, 0.1045, 0.0559, 0.1045, 0.0022),
+    ("6.2B", 64): Bubbles(0.1091, 0.0320, 0.0554, 0.0294, 0.0554, 0.0010),
+    ("14.6B", 48): Bubbles(0.2552, 0.1104, 0.1397, 0.0672, 0.1397, 0.0066),
+    ("14.6B", 64): Bubbles(0.2082, 0.0852, 0.1088, 0.0516, 0.1088, 0.0054),
+    ("14.6B", 128): Bubbles(0.1251, 0.0445, 0.0576, 0.0266, 0.0576, 0.0028),
+    ("28.3B", 96): Bubbles(0.2646, 0.1493, 0.1421, 0.0641, 0.1421, 0.0038),
+    ("28.3B", 128): Bubbles(0.2168, 0.1164, 0.1106, 0.0490, 0.1106, 0.0029),
+    ("28.3B", 256): Bubbles(0.1352, 0.0624, 0.0594, 0.0257, 0.0594, 0.0018),
+}
+
+# Table 5's columns that jaxpar's named schedules reproduce: column -> schedule name.
+REPRODUCED = {"one_f_one_b": "1f1b", "zb_h1": "zb-h1", "zb_h2": "zb-h2"}
+# The columns as the paper heads them.
+LABELS = {"one_f_one_b": "1F1B", "interleaved": "1F1B-I", "zb_h1": "ZB-H1", "zb_h2": "ZB-H2",
+          "zb_1p": "ZB-1p", "zb_2p": "ZB-2p"}
+
+
+def weight_memory(model: str) -> float:
+    """M_W / M_B of `model` by Table 1: 32h / (34h + 5as)."""
+    spec = _model(model)
+    return 32 * spec.hidden / (34 * spec.hidden + 5 * spec.heads * spec.sequence)
+
+
+def profiled_costs(model: str, microbatches: int) -> Costs:
+    """Table 6's times for (model, microbatches) as `Costs` (memory per Table 1)."""
+    _model(model)
+    if (model, microbatches) not in PROFILED:
+        known = sorted(m for name, m in PROFILED if name == model)
+        raise ConfigError(f"microbatches={microbatches}: Table 6 profiles {model} at "
+                          f"microbatches {', '.join(map(str, known))} only; use one of them")
+    t = PROFILED[model, microbatches]
+    return Costs(F=t.F, B=t.B, W=t.W, comm=t.comm, weight_memory=weight_memory(model))
+
+
+def reproduced(model: str, microbatches: int) -> dict[str, float]:
+    """jaxpar's bubble rates for the Table 5 columns it reproduces, under Table 6's times:
+    {"one_f_one_b": ..., "zb_h1": ..., "zb_h2": ...} (unrounded)."""
+    costs = profiled_costs(model, microbatches)
+    p = MODELS[model].stages
+    return {column: timed(schedule_lib.make(name, p, microbatches), costs).bubble
+            for column, name in REPRODUCED.items()}
+
+
+def table() -> list[dict]:
+    """Every Table 5 row: model, p, m, the published rates, and ours where reproduced."""
+    rows = []
+    for (model, m), published in BUBBLES.items():
+        ours = reproduced(model, m)
+        rows.append({"model": model, "stages": MODELS[model].stages, "microbatches": m,
+                     "profiled": PROFILED[model, m]._asdict(), "published": published._asdict(),
+                     "ours": ours})
+    return rows
+
+
+def _model(model: str) -> Model:
+    if model not in MODELS:
+        raise ConfigError(f"model {model!r}: Table 3's models are {', '.join(MODELS)}")
+    return MODELS[model]

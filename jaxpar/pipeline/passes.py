@@ -31,7 +31,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxpar.collectives import varying_axes
+from jaxpar.collectives import varying, varying_axes
+from jaxpar.mesh import PP
 
 
 def _start(index: tuple, ndim: int) -> tuple:
@@ -136,11 +137,16 @@ def _learn(stored_fn: Callable, kept: jax.ShapeDtypeStruct) -> Residuals:
 
 @dataclasses.dataclass(frozen=True)
 class Stack:
-    """A `layers` stage of `depth` layers, scanned."""
+    """A `layers` stage of `depth` layers, scanned. Uneven stages: `counts` [p][v] the
+    layers chunk c of device d really holds (`stage.padded_layers`), depth the largest;
+    a layer at or past its chunk's count is padding, skipped by a `lax.cond`: the identity
+    in F, its output gradient passed through in B, no weight gradient (None: every chunk
+    holds depth layers, and the program has no conditional at all)."""
 
     layer_fn: Callable
     depth: int
     recompute: bool
+    counts: tuple[tuple[int, ...], ...] | None = None
 
     def learn(self, params, x) -> Residuals:
         """What F stores (traced on chunk 0: every chunk's are alike) and what a split B
@@ -151,14 +157,25 @@ class Stack:
             return self._residuals(params, 0, x)[1:]
         return _learn(stored, jax.ShapeDtypeStruct((self.depth, *x.shape), x.dtype))
 
+    def _held(self, c, l):
+        """Whether layer l of chunk c is a real layer on this device (uneven stages only)."""
+        counts = jnp.asarray(self.counts, jnp.int32)                    # [p, v]
+        return l < jax.lax.dynamic_index_in_dim(counts[jax.lax.axis_index(PP)], c, 0, keepdims=False)
+
     def _residuals(self, params, c, x) -> tuple[jax.Array, list, VjpLayout]:
         """(y, each layer's stored leaves stacked on a layer axis, the layers' vjp layout)."""
         layouts = []
 
-        def body(h, l):
-            y, stored, layout = split_vjp(self.layer_fn, read(params, (c, l)), h)
+        def run(layer_params, h):
+            y, stored, layout = split_vjp(self.layer_fn, layer_params, h)
             layouts.append(layout)
             return y, stored
+
+        def body(h, l):
+            if self.counts is None:
+                return run(read(params, (c, l)), h)
+            return _unless_padding(self._held(c, l), run, lambda layer_params, h, out: (h, out[1]),
+                                   read(params, (c, l)), h)
         y, stored = jax.lax.scan(body, x, jnp.arange(self.depth))
         return y, stored, layouts[0]
 
@@ -166,7 +183,10 @@ class Stack:
         """(y, what F stores): chunk c's layers on x [mb, ...]."""
         if self.recompute:
             def body(h, l):
-                return self.layer_fn(read(params, (c, l)), h), None
+                if self.counts is None:
+                    return self.layer_fn(read(params, (c, l)), h), None
+                return _unless_padding(self._held(c, l), self.layer_fn, lambda layer_params, h, out: h,
+                                       read(params, (c, l)), h), None
             return jax.lax.scan(body, x, jnp.arange(self.depth))[0], [x]
         return self._residuals(params, c, x)[:2]
 
@@ -180,10 +200,21 @@ class Stack:
         output gradients W needs [depth, mb, ...])."""
         res, layout = self._stored(params, c, stored, layout)
 
+        def pullback(layer_params, res_l, g):
+            d_w, dx = join_vjp(layout, layer_params, res_l)(g)
+            return (dx, d_w) if weights else dx
+
+        def skipped(layer_params, res_l, g, out):      # padding: g passes through, no weight gradient
+            return (g, out[1]) if weights else g
+
         def body(carry, inp):
             g, acc = carry
             l, res_l = inp
-            d_w, dx = join_vjp(layout, read(params, (c, l)), res_l)(g)
+            if self.counts is None:
+                out = pullback(read(params, (c, l)), res_l, g)
+            else:
+                out = _unless_padding(self._held(c, l), pullback, skipped, read(params, (c, l)), res_l, g)
+            dx, d_w = out if weights else (out, None)
             return (dx, add(acc, (c, l), d_w) if weights else acc), g
         (dx, acc), kept = jax.lax.scan(body, (g, acc), (jnp.arange(self.depth), res), reverse=True)
         return dx, acc, kept
@@ -192,10 +223,37 @@ class Stack:
         """acc with chunk c's weight gradients added, from the output gradients B kept."""
         res, layout = self._stored(params, c, stored, layout)
 
+        def weights_of(layer_params, res_l, g):
+            return join_vjp(layout, layer_params, res_l)(g)[0]
+
         def body(acc, inp):
             l, res_l, g = inp
-            return add(acc, (c, l), join_vjp(layout, read(params, (c, l)), res_l)(g)[0]), None
+            if self.counts is None:
+                d_w = weights_of(read(params, (c, l)), res_l, g)
+            else:
+                d_w = _unless_padding(self._held(c, l), weights_of, lambda *args: args[-1],
+                                      read(params, (c, l)), res_l, g)
+            return add(acc, (c, l), d_w), None
         return jax.lax.scan(body, acc, (jnp.arange(self.depth), res, kept))[0]
+
+
+def _unless_padding(held, fn: Callable, padding: Callable, *operands):
+    """fn(*operands) where `held` (a real layer), else padding(*operands, zeros): `zeros`
+    shaped and typed (dtype, varying axes) as fn's outputs, for the outputs padding does
+    not pass through. One `lax.cond`: a padded layer costs no compute."""
+    treedefs = []
+
+    def flat():
+        out = fn(*operands)
+        treedefs.append(jax.tree.structure(out))
+        return jax.tree.leaves(out)
+    shapes, axes = shapes_and_axes(flat)
+
+    def skip(*ops):
+        zeros = jax.tree.unflatten(treedefs[0], [jnp.zeros(a.shape, a.dtype) for a in shapes])
+        leaves = jax.tree.leaves(padding(*ops, zeros))
+        return jax.tree.unflatten(treedefs[0], [varying(a, ax) for a, ax in zip(leaves, axes)])
+    return jax.lax.cond(held, fn, skip, *operands)
 
 
 @dataclasses.dataclass(frozen=True)

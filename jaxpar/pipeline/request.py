@@ -32,7 +32,8 @@ from jaxpar import errors
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import DP, PP, axis_size, pspec_axes, require_mesh
 from jaxpar.pipeline.schedule import Schedule
-from jaxpar.pipeline.stage import mse
+from jaxpar.pipeline.plan import is_even, layer_split
+from jaxpar.pipeline.stage import layers, mse
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -47,6 +48,8 @@ class Request:
     [B, ...], first_params and last_params (or None).
     Specs over the non-pp axes, one PartitionSpec per leaf: param_specs (one layer,
     without its layer axis), first_specs, last_specs, in_spec and target_spec.
+    layers_per_stage: the layers of each model stage (p*v counts in model order: uneven
+    stages when they differ; `plan.layer_split`), the even split when not given.
     Found: n_layers, batch_axes (the axes of more than one device the batch is split
     over), loss_dtype, and `local`, the per-device shapes: params, first, last, one
     microbatch's inputs and targets, one stage's params."""
@@ -70,6 +73,7 @@ class Request:
     in_spec: P
     target_spec: P
     n_layers: int
+    layers_per_stage: tuple[int, ...]
     batch_axes: tuple[str, ...]
     loss_dtype: Any
     local: dict
@@ -81,8 +85,14 @@ class Request:
 
     @property
     def depth(self) -> int:
-        """Layers per chunk: L / (p v)."""
-        return self.n_layers // self.schedule.virtual_stages
+        """Layers per chunk as the stage layout holds them: L / (p v), or with uneven stages
+        the largest count (the others padded to it)."""
+        return max(self.layers_per_stage)
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the stages hold different numbers of layers (padded, the padding skipped)."""
+        return not is_even(self.layers_per_stage)
 
     @property
     def activation_axes(self) -> tuple[str, ...]:
@@ -106,7 +116,7 @@ class Request:
         specs = tuple(_frozen(t, spec=True) for t in (self.param_specs, self.first_specs, self.last_specs,
                                                       self.in_spec, self.target_spec))
         return (table, self.stage_fn, self.loss_fn, self.first_fn, self.mesh, self.recompute,
-                repr(self.bubble_fill), self.input_grads, shapes, specs)
+                repr(self.bubble_fill), self.input_grads, shapes, specs, self.layers_per_stage)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Request) and self.key == other.key
@@ -128,7 +138,8 @@ def _shapes(tree):
 def make(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn: Callable = mse,
          recompute: bool = False, bubble_fill: float = 0.0, input_grads: bool | None = None,
          param_specs=None, batch_spec: P | tuple | None = None, first_fn: Callable | None = None,
-         first_params=None, first_specs=None, last_params=None, last_specs=None) -> Request:
+         first_params=None, first_specs=None, last_params=None, last_specs=None,
+         layers_per_stage=None) -> Request:
     """Check everything (ConfigError before compiling) and return the Request.
 
     batch = (inputs [B, ...], targets [B, ...]); B splits over batch_spec's first entry
@@ -139,14 +150,17 @@ def make(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn
     param_specs, first_specs, last_specs: PartitionSpecs over the non-pp axes (param_specs
     for one layer, without the layer axis); default replicated.
     first_fn, first_params, last_params: the first stage's function and parameters, the
-    loss's parameters (see `Request`)."""
+    loss's parameters (see `Request`).
+    layers_per_stage: the layers of each of the p*v model stages, in model order, e.g.
+    (1, 2, 2, 1) (default: L / (p v) each); stage_fn must then be `layers(layer_fn)`."""
     _check_functions(schedule, stage_fn, loss_fn, first_fn)
     require_mesh(mesh, axes=(PP,), needed_by="the pipeline runtime")
     if schedule.stages != axis_size(mesh, PP):
         raise ConfigError(f"schedule {schedule.name!r} is built for p={schedule.stages} devices but the mesh has "
                           f"{PP}={axis_size(mesh, PP)}: make it with schedule.make({schedule.name!r}, "
                           f"stages={axis_size(mesh, PP)}, ...)")
-    n_layers = _layer_count(params, schedule)
+    n_layers = _layer_count(params)
+    layers_per_stage = _layers_per_stage(layers_per_stage, n_layers, schedule, stage_fn)
     batch_found = _batch(batch, batch_spec, mesh, schedule.microbatches, first_fn, input_grads)
     param_specs, local_params = _specs(params, param_specs, mesh, "param_specs", skip=1)
     if first_params is not None and first_fn is None:
@@ -155,15 +169,16 @@ def make(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn
     last_specs, local_last = _edge_specs(last_params, last_specs, mesh, "last_specs")
     _check_options(recompute=recompute, bubble_fill=bubble_fill)
     local = dict(batch_found.local, params=local_params, first=local_first, last=local_last,
-                 stage=jax.tree.map(lambda a: jax.ShapeDtypeStruct((n_layers // schedule.virtual_stages,
-                                                                     *a.shape[1:]), a.dtype), local_params))
+                 stage=jax.tree.map(lambda a: jax.ShapeDtypeStruct((max(layers_per_stage), *a.shape[1:]), a.dtype),
+                                    local_params))
     loss_dtype = _loss_dtype(local, stage_fn, loss_fn, first_fn, has_last=last_params is not None)
     return Request(schedule=schedule, stage_fn=stage_fn, mesh=mesh, loss_fn=loss_fn, first_fn=first_fn,
                    recompute=recompute, bubble_fill=bubble_fill, input_grads=batch_found.input_grads,
                    params=_shapes(params), inputs=_shapes(batch[0]), targets=_shapes(batch[1]),
                    first_params=_shapes(first_params), last_params=_shapes(last_params), param_specs=param_specs,
                    first_specs=first_specs, last_specs=last_specs, in_spec=batch_found.in_spec,
-                   target_spec=batch_found.target_spec, n_layers=n_layers, batch_axes=batch_found.axes,
+                   target_spec=batch_found.target_spec, n_layers=n_layers, layers_per_stage=layers_per_stage,
+                   batch_axes=batch_found.axes,
                    loss_dtype=loss_dtype, local=local)
 
 
@@ -181,8 +196,8 @@ def _check_functions(schedule, stage_fn, loss_fn, first_fn) -> None:
                               "loss_fn(y, targets) -> scalar for the loss)")
 
 
-def _layer_count(params, schedule: Schedule) -> int:
-    """L, the leading axis every params leaf shares; refused unless the p*v stages split it."""
+def _layer_count(params) -> int:
+    """L, the leading axis every params leaf shares."""
     leaves = jax.tree.leaves(params)
     if not leaves:
         raise ConfigError("params has no arrays: give a pytree whose leaves stack the layers on axis 0")
@@ -192,12 +207,25 @@ def _layer_count(params, schedule: Schedule) -> int:
     if any(a.ndim == 0 or a.shape[0] != n_layers for a in leaves):
         raise ConfigError(f"params leaves have leading axes {[tuple(a.shape[:1]) for a in leaves]}: every leaf "
                           "stacks the same number of layers on axis 0")
-    n_stages = schedule.virtual_stages     # the model's stages: p devices x chunks each
-    if n_layers == 0 or n_layers % n_stages:
-        raise ConfigError(f"{n_layers} layers do not split into p*v = {schedule.stages}*{schedule.chunks} = "
-                          f"{n_stages} stages: use a layer count divisible by {n_stages} (at least {n_stages}) "
-                          "or another p or v")
     return n_layers
+
+
+def _layers_per_stage(layers_per_stage, n_layers: int, schedule: Schedule, stage_fn) -> tuple[int, ...]:
+    """The layers of each of the p*v model stages: the even split, refused unless p*v
+    divides L, or `layers_per_stage` checked (`plan.layer_split`); uneven stages only with
+    a `layers(layer_fn)` stage, whose layers the runtime can skip one by one."""
+    n_stages = schedule.virtual_stages     # the model's stages: p devices x chunks each
+    if layers_per_stage is None and (n_layers == 0 or n_layers % n_stages):
+        raise ConfigError(f"{n_layers} layers do not split into p*v = {schedule.stages}*{schedule.chunks} = "
+                          f"{n_stages} stages: use a layer count divisible by {n_stages} (at least {n_stages}), "
+                          "another p or v, or give layers_per_stage (one count per model stage, summing to "
+                          f"{n_layers})")
+    counts = layer_split(layers_per_stage, n_layers, n_stages)
+    if not is_even(counts) and not isinstance(stage_fn, layers):
+        raise ConfigError(f"layers_per_stage={counts} (uneven stages) with stage_fn={stage_fn!r}: the runtime pads "
+                          "each stage to the largest count and skips the padding layer by layer, which needs a "
+                          "stage built by jaxpar.pipeline.stage.layers(layer_fn); give one, or even stages")
+    return counts
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,9 @@
     grads.inputs   # d loss / d inputs
 
 `params` is a pytree whose leaves stack the model's L layers on a leading axis; stage k
-of the S = p*v model stages holds layers [k*L/S, (k+1)*L/S), and `stage_fn(stage_params,
+of the S = p*v model stages holds layers [k*L/S, (k+1)*L/S) (or, with
+`layers_per_stage=(1, 2, 2, 1)`, uneven stages: stage k the next layers_per_stage[k]
+layers; every device holds the largest count, the padding skipped), and `stage_fn(stage_params,
 x) -> y` runs them (`layers(layer_fn)` builds one whose layers run under lax.scan;
 `stage.py` says what a stage is). The program (`program.py`) is one `lax.scan` over the
 plan's steps (`plan.py`), inside ONE shard_map over every axis of the mesh:
@@ -53,7 +55,8 @@ from jaxpar.pipeline import request as request_lib
 from jaxpar.pipeline.program import Program
 from jaxpar.pipeline.request import Request
 from jaxpar.pipeline.schedule import Schedule
-from jaxpar.pipeline.stage import Grads, from_microbatches, from_stages, layers, mse, to_microbatches, to_stages
+from jaxpar.pipeline.stage import (Grads, from_microbatches, from_stages, layers, mse, padded_layers, to_microbatches,
+                                   to_stages)
 
 __all__ = ["Grads", "Local", "Pipeline", "Request", "from_stages", "layers", "local", "mse", "pipeline", "request",
            "run", "run_pipeline", "to_stages"]
@@ -65,11 +68,14 @@ class Pipeline(NamedTuple):
     """A compiled-ready pipeline step for one schedule, mesh and set of shapes: `step` maps
     (stage params [p, v, Lc, ...] sharded over pp, inputs, targets, first params, last
     params) to (loss per pp device, grads in the stage layout, input gradients per pp
-    device, first- and last-stage grads per pp device); `plan` its tables."""
+    device, first- and last-stage grads per pp device); `plan` its tables;
+    `layers_per_stage` the stages' layer counts when uneven (None: even), which the stage
+    layout is padded by (`to_stages`)."""
     step: Callable
     plan: plan_lib.Plan
     schedule: Schedule
     mesh: Any
+    layers_per_stage: tuple[int, ...] | None = None
 
 
 def compiler_options(mesh) -> dict:
@@ -113,8 +119,11 @@ def local(request: Request | Schedule, *args, **options) -> Local:
     before compiling)."""
     req = _as_request(request, args, options)
     plan = plan_lib.plan(req.schedule)
-    passes = (passes_lib.Stack(req.stage_fn.layer_fn, req.depth, req.recompute) if isinstance(req.stage_fn, layers)
-              else passes_lib.Whole(req.stage_fn, req.recompute))
+    if isinstance(req.stage_fn, layers):
+        counts = tuple(map(tuple, padded_layers(req.schedule, req.layers_per_stage).tolist())) if req.uneven else None
+        passes = passes_lib.Stack(req.stage_fn.layer_fn, req.depth, req.recompute, counts)
+    else:
+        passes = passes_lib.Whole(req.stage_fn, req.recompute)
     return Local(program=Program(request=req, plan=plan, passes=passes), request=req, plan=plan)
 
 
@@ -146,7 +155,8 @@ def pipeline(request: Request | Schedule, *args, **options) -> Pipeline:
                  edge(req.last_specs))
     step = jax.jit(jax.shard_map(per_device, mesh=req.mesh, in_specs=in_specs, out_specs=out_specs),
                    compiler_options=compiler_options(req.mesh))
-    return Pipeline(step=step, plan=plan, schedule=req.schedule, mesh=req.mesh)
+    return Pipeline(step=step, plan=plan, schedule=req.schedule, mesh=req.mesh,
+                    layers_per_stage=req.layers_per_stage if req.uneven else None)
 
 
 # ---- run: the built step of the 32 most recently used requests, as jax.jit keeps one per signature
@@ -164,7 +174,7 @@ def run(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, **option
     and any others): (loss, Grads(params, inputs, first, last)), equal to the unsharded
     model's. `options` are `request`'s (loss_fn, recompute, bubble_fill, input_grads,
     param_specs, batch_spec, first_fn, first_params, first_specs, last_params,
-    last_specs). The step is built once per Request (schedule, functions, shapes, dtypes,
+    last_specs, layers_per_stage: uneven stages, e.g. (1, 2, 2, 1)). The step is built once per Request (schedule, functions, shapes, dtypes,
     mesh, specs, options) and kept in an LRU cache of CACHE_SIZE, so a loop compiles once."""
     req = request(schedule, stage_fn, params, batch, mesh=mesh, **options)
     try:
@@ -179,12 +189,12 @@ def run(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, **option
 
 def run_pipeline(pipe: Pipeline, params, batch, *, first_params=None, last_params=None) -> tuple[jax.Array, Grads]:
     """Run a built Pipeline on global params ([L, ...] leaves) and batch: (loss, Grads)."""
-    s = pipe.schedule
-    loss, grads, dx, g_first, g_last = pipe.step(to_stages(params, s), *batch, first_params, last_params)
+    s, counts = pipe.schedule, pipe.layers_per_stage
+    loss, grads, dx, g_first, g_last = pipe.step(to_stages(params, s, counts), *batch, first_params, last_params)
     # the loss is on the last stage's device, zero elsewhere; the input gradient on device 0;
     # the first- and last-stage gradients on the devices holding stages 0 and S-1
     owner = lambda tree, stage: jax.tree.map(lambda a: a[s.device_of(stage)[0]], tree)
-    return loss.sum(), Grads(params=from_stages(grads, s), inputs=None if dx is None else dx[0],
+    return loss.sum(), Grads(params=from_stages(grads, s, counts), inputs=None if dx is None else dx[0],
                              first=owner(g_first, 0), last=owner(g_last, s.virtual_stages - 1))
 
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxpar import reference
 from jaxpar.errors import ConfigError
+from jaxpar.pipeline.plan import is_even
 from jaxpar.pipeline.schedule import Schedule
 
 
@@ -85,9 +86,17 @@ def from_microbatches(a):
 
 # ---- the layout of the layers over the stages ---------------------------------------------
 
-def to_stages(params, schedule: Schedule):
-    """[L, ...] leaves -> [p, v, L/(p v), ...]: entry [d, c] holds stage stage_of(d, c)."""
+def to_stages(params, schedule: Schedule, layers_per_stage: tuple[int, ...] | None = None):
+    """[L, ...] leaves -> [p, v, Lc, ...]: entry [d, c] holds stage stage_of(d, c).
+
+    Even stages (layers_per_stage None, or all alike): Lc = L/(p v). Uneven stages
+    (layers_per_stage: one count per model stage, checked by `plan.layer_split`): Lc is the
+    largest count, and a stage of fewer layers holds them first and zeros after (padding
+    the runtime skips: `padded_layers`)."""
     p, chunks = schedule.stages, schedule.chunks
+    if layers_per_stage is not None and not is_even(layers_per_stage):
+        index = _padded_index(schedule, layers_per_stage)       # [p, v, Lc] into the layers, L: a zero layer
+        return jax.tree.map(lambda a: _padded(a, index, n_layers=sum(layers_per_stage)), params)
     for a in jax.tree.leaves(params):
         if not getattr(a, "ndim", 0) or a.shape[0] % (p * chunks):
             raise ConfigError(f"a params leaf of shape {tuple(getattr(a, 'shape', ()))} does not split into "
@@ -100,9 +109,15 @@ def to_stages(params, schedule: Schedule):
     return jax.tree.map(one, params)
 
 
-def from_stages(params, schedule: Schedule):
-    """Inverse of to_stages: [p, v, L/(p v), ...] -> [L, ...]."""
+def from_stages(params, schedule: Schedule, layers_per_stage: tuple[int, ...] | None = None):
+    """Inverse of to_stages: [p, v, Lc, ...] -> [L, ...] (the padding dropped)."""
     p, chunks = schedule.stages, schedule.chunks
+    if layers_per_stage is not None and not is_even(layers_per_stage):
+        flat = _padded_index(schedule, layers_per_stage).reshape(-1)
+        held = flat < sum(layers_per_stage)
+        real = np.empty(sum(layers_per_stage), int)
+        real[flat[held]] = np.flatnonzero(held)                  # layer j's place in the flat [p v Lc] layout
+        return jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:])[real], params)
     inverse = np.argsort([schedule.stage_of(d, c) for d in range(p) for c in range(chunks)])
 
     def one(a):
@@ -110,6 +125,34 @@ def from_stages(params, schedule: Schedule):
         return a.reshape(-1, *a.shape[2:])
     return jax.tree.map(one, params)
 
+
+def padded_layers(schedule: Schedule, layers_per_stage: tuple[int, ...]) -> np.ndarray:
+    """int[p, v]: the layers chunk c of device d really holds (layers_per_stage of its
+    model stage); its entries past that count, up to the largest, are padding."""
+    return np.array([[layers_per_stage[schedule.stage_of(d, c)] for c in range(schedule.chunks)]
+                     for d in range(schedule.stages)])
+
+
+def _padded_index(schedule: Schedule, layers_per_stage: tuple[int, ...]) -> np.ndarray:
+    """int[p, v, Lc]: the model layer at each place of the padded stage layout, L (one
+    past the last layer: the zero layer `_padded` appends) where it is padding."""
+    n_layers, depth = sum(layers_per_stage), max(layers_per_stage)
+    first = np.concatenate([[0], np.cumsum(layers_per_stage)[:-1]])   # each stage's first layer
+    index = np.full((schedule.stages, schedule.chunks, depth), n_layers)
+    for d in range(schedule.stages):
+        for c in range(schedule.chunks):
+            k = schedule.stage_of(d, c)
+            index[d, c, :layers_per_stage[k]] = first[k] + np.arange(layers_per_stage[k])
+    return index
+
+
+def _padded(a, index: np.ndarray, n_layers: int):
+    """a [L, ...] laid out at `index` [p, v, Lc], index L reading a layer of zeros."""
+    if not getattr(a, "ndim", 0) or a.shape[0] != n_layers:
+        raise ConfigError(f"a params leaf of shape {tuple(getattr(a, 'shape', ()))} does not stack the "
+                          f"{n_layers} layers layers_per_stage adds up to on its leading (layer) axis")
+    a = jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])
+    return a[index]
 
 
 # ---- the lecture's stage functions and the unsharded reference ---------------------------

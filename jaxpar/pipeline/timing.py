@@ -9,10 +9,18 @@ or one per model stage for uneven stages) and `comm`, the latency of every activ
 (F -> F) and input gradient (B -> B) that crosses devices. Each action starts at the
 earliest time its device is free and every input it needs has ended, plus `comm` when
 the input was made on another device; a send occupies neither device (Qi et al. 2023,
-"Zero Bubble Pipeline Parallelism", arXiv 2401.10241, section 3.1, model it so).
+"Zero Bubble Pipeline Parallelism", arXiv 2401.10241, model it so in their schedule
+search and in the bubble rates of their Table 5, which `published.py` holds and this
+timing reproduces).
 
 With v > 1 chunks per device, each action runs on one chunk, and the costs given are
 per action on one chunk (1/v of a device's share of the model when stages are even).
+
+The bubble rate is Qi et al.'s (section 5.3): (cost - m(F+B+W)) / cost, where cost is
+"the largest execution time of all stages", each device from its first start to its
+last end (with their optimizer post-validation a device starts its next step as soon as
+its own last action ends). With uneven stages the busiest device's work stands for
+m(F+B+W). `Timing.makespan_bubble` counts from time 0 instead (one step on its own).
 
 Memory, in units of M_B, one microbatch's activations on one device's whole share of
 the model (Qi et al.'s M_B): an F adds `activation` (split over the chunks: `activation
@@ -123,20 +131,21 @@ class Costs:
         if not isinstance(text, str) or not text.strip():
             raise ConfigError(f"costs {text!r}: write key=value pairs, e.g. {EXAMPLE}")
         fields: dict[str, Value] = {}
+        spelled = {k.lower(): k for k in KEYS}   # keys in any case: f=1 is F=1
         for item in text.split(","):
             key, sep, value = (part.strip() for part in item.partition("="))
-            key = {k.lower(): k for k in KEYS}.get(key.lower(), key)
+            key = spelled.get(key.lower(), key)
             if key not in KEYS:
                 raise ConfigError(f"costs {text!r}: unknown key {key!r}; keys are {', '.join(KEYS)}, "
                                   f"e.g. {EXAMPLE}")
             if not sep or key in fields:
                 raise ConfigError(f"costs {text!r}: give each key once as key=value, e.g. {EXAMPLE}")
             try:
-                numbers_ = tuple(float(v) for v in value.split("/"))
+                values = tuple(float(v) for v in value.split("/"))
             except ValueError:
                 raise ConfigError(f"costs {text!r}: {key}={value!r} is not a number (a per-stage value is "
                                   f"written with slashes, F=10/20/20/10); e.g. {EXAMPLE}") from None
-            fields[key] = numbers_[0] if len(numbers_) == 1 else numbers_
+            fields[key] = values[0] if len(values) == 1 else values
         for needed in ("F", "B"):
             if needed not in fields:
                 raise ConfigError(f"costs {text!r}: {needed} is missing; F and B are needed, e.g. {EXAMPLE}")

@@ -154,11 +154,10 @@ def _placement(rows: list[list[_Cell]], placement: str | None) -> tuple[int, str
     if placement is not None and placement not in schedule_lib.PLACEMENTS:
         raise ConfigError(f"placement={placement!r}: one of {', '.join(schedule_lib.PLACEMENTS)}, or None to read it "
                           f"off the file")
-    candidates = (placement,) if placement else ("loop", "v") if chunks == 2 else ("loop",)
     if placement == "v" and chunks != 2:
         raise ConfigError(f"placement='v' holds 2 stages per rank, but this file has {chunks}: drop placement")
-    expected = {candidate: [sorted(Schedule("csv", p, 1, chunks, {"F": 1, "B": 1}, False, (), candidate).stage_of(d, c)
-                                   for c in range(chunks)) for d in range(p)] for candidate in candidates}
+    candidates = (placement,) if placement else ("loop", "v") if chunks == 2 else ("loop",)
+    expected = {candidate: _held_by(p, chunks, candidate) for candidate in candidates}
     for candidate, stages in expected.items():
         if held == stages:
             return chunks, candidate
@@ -166,6 +165,12 @@ def _placement(rows: list[list[_Cell]], placement: str | None) -> tuple[int, str
     wanted = " or ".join(f"{stages[row]} ({candidate})" for candidate, stages in expected.items())
     raise ConfigError(f"row {row} (rank {row}) holds stages {held[row]}, but jaxpar places {wanted} there (loop: "
                       f"stage c*p + rank for chunk c; v: rank and 2p-1-rank); renumber the stages")
+
+
+def _held_by(p: int, chunks: int, placement: str) -> list[list[int]]:
+    """The stages each of p devices holds under `placement` (Schedule.stage_of), sorted."""
+    shape = Schedule("placement", p, 1, chunks, dict(schedule_lib.DEFAULT_COSTS), False, (), placement)
+    return [sorted(shape.stage_of(device, chunk) for chunk in range(chunks)) for device in range(p)]
 
 
 def from_csv(text: str, *, name: str = "imported", microbatches: int | None = None, timing: str = "order",

@@ -289,6 +289,8 @@ BAD = [
     ("0F0,0I0,0W0\r\n", {"costs": {"F": 1, "B": 1}}, r"kinds F, B, W of this file \(its backward is split"),
     ("0F0,0F1,0B0,0B1\r\n", {"microbatches": 1}, r"row 0 \(rank 0\), column 1: 0F1 is microbatch 1, but "
                                                   r"microbatches=1.*pass microbatches=2"),
+    ("0F0,0B70000\r\n", {}, r"microbatches=70001 is more than 65,536"),
+    ("0F0,0B0\r\n", {"microbatches": "1"}, r"microbatches='1' is a str, not a whole number"),
     (b"0F0,0B0\r\n", {}, r"from_csv takes the file's text \(a str\), not a bytes"),
     ("0F0,(0F1;0B0)OVERLAP_F_B,0B1\r\n", {"timing": "columns"}, r"row 0 \(rank 0\), column 1: several actions "
                                                                  r"overlap in one column.*timing='order'"),

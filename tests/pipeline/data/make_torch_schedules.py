@@ -15,16 +15,27 @@ files are written the way torch writes them: `_dump_csv(..., format="compute_onl
 multi-stage schedule, the same csv.writer rows for GPipe and 1F1B (single-stage classes,
 which have no `_dump_csv`), and one `compute_comms` file with torch's send, receive and
 gradient-reduction actions. `torch_version.txt` records the version that wrote them.
+
+The other direction is checked here too, since only torch can: every named jaxpar schedule
+(p=4, m=8), written by `jaxpar.pipeline.interchange.to_csv`, loads in torch's runtime
+(`_load_csv`: its validator, then its lowering with sends and receives) and runs to the end
+in torch's dry-run simulator (`_simulate_comms_compute`, which flags a deadlock). jaxpar's
+pure-Python modules need nothing beyond the standard library, so they import in torch's
+environment; `jaxpar_exports.txt` lists what was checked.
 """
 
 import csv
 import pathlib
+import sys
+import tempfile
 
 import torch
 from torch.distributed.pipelining import schedules
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 OUT = pathlib.Path(__file__).parent / "torch"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))   # the repository root: jaxpar
+from jaxpar.pipeline import interchange, orders, schedule  # noqa: E402  (pure Python: no JAX)
 
 
 class SizesOnlyStage(_PipelineStageBase):
@@ -86,6 +97,30 @@ def write_rows(path: pathlib.Path, order: dict) -> None:
             writer.writerow(order[rank])
 
 
+def check_in_torch(s: schedule.Schedule) -> dict:
+    """Load jaxpar's export of `s` in torch's runtime and dry-run it: torch's stage -> rank map."""
+    stages = [SizesOnlyStage(k, s.virtual_stages, s.stages) for k in range(s.chunks)]
+    runner = schedules._PipelineScheduleRuntime(stages, s.microbatches, loss_fn=loss_fn)
+    with tempfile.NamedTemporaryFile("w", suffix=".csv", newline="", delete=False) as f:
+        f.write(interchange.to_csv(s))
+    runner._load_csv(f.name)       # torch's validator, then its lowering with sends and receives
+    pathlib.Path(f.name).unlink()
+    # the simulator knows no FSDP or gradient-reduction actions: the sends and receives only
+    skipped = (schedules.UNSHARD, schedules.RESHARD, schedules.REDUCE_GRAD)
+    comms = {rank: [a for a in actions if a.computation_type not in skipped]
+             for rank, actions in runner.pipeline_order_with_comms.items()}
+    schedules._simulate_comms_compute(comms, runner.stage_index_to_group_rank.__getitem__, s.virtual_stages)
+    return dict(sorted(runner.stage_index_to_group_rank.items()))
+
+
+def check_jaxpar_exports() -> None:
+    lines = []
+    for name in orders.REGISTRY:
+        s = schedule.make(name, stages=4, microbatches=8)
+        lines.append(f"{name} p=4 m=8: torch loads, lowers and simulates it; stage -> rank {check_in_torch(s)}")
+    (OUT / "jaxpar_exports.txt").write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     OUT.mkdir(exist_ok=True)
     for stem, cls, ranks, microbatches in SINGLE:
@@ -96,6 +131,7 @@ def main() -> None:
     sched = multi(schedules.ScheduleInterleaved1F1B, 2, 4, 2)
     sched._dump_csv(str(OUT / "interleaved_1f1b_p2_m4_comms.csv"), format="compute_comms")
     (OUT / "torch_version.txt").write_text(f"{torch.__version__}\n")
+    check_jaxpar_exports()
 
 
 if __name__ == "__main__":

@@ -32,13 +32,13 @@ import json
 import re
 
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import orders
+from jaxpar.pipeline import orders, plan
 
 FLAGS = {"dp": "--mesh dp", "pp": "--mesh pp", "tp": "--mesh tp", "cp": "--mesh cp", "ep": "--mesh ep",
          "microbatches": "--microbatches", "batch_size": "--batch", "seq_len": "--seq", "n_layers": "--layers",
          "n_heads": "--heads", "n_kv_heads": "--kv-heads", "vocab": "--vocab", "n_experts": "--experts",
          "d_ff": "--ffn", "chunks": "--chunks", "zero": "--zero", "compute_dtype": "--dtype", "attention": "--attention",
-         "layout": "--layout",
+         "layout": "--layout", "layers_per_stage": "--layers-per-stage",
          "schedule": "--schedule", "steps": "--steps", "warmup": "--warmup", "lr": "--lr", "every": "--every",
          "directory": "--checkpoint", "log": "--log", "router": "--router", "aux_loss": "--aux-loss",
          "bias_rate": "--bias-rate", "top_k": "--top-k", "eval_every": "--eval-every",
@@ -53,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", type=int, default=None, help="microbatches (default: 2 x pp)")
     parser.add_argument("--chunks", type=int, default=None,
                         help=f"model chunks per device ({', '.join(orders.names(takes_chunks=True))})")
+    parser.add_argument("--layers-per-stage", default=None,
+                        help="uneven stages: the layers of each model stage (pp x chunks of them, in model order), "
+                             "e.g. 1,2,2,1 (the first and last stages also run the embedding and the LM head; "
+                             "default: --layers split evenly; --layers defaults to their sum)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism on tp")
     parser.add_argument("--recompute", action="store_true", help="keep only each stage's input between F and B")
     parser.add_argument("--zero", type=int, default=0,
@@ -217,9 +221,10 @@ def main(args) -> int:
     from jaxpar.train import spec as spec_lib
 
     processes = check_distributed(args)
+    counts = None if args.layers_per_stage is None else plan.parse_layer_split(args.layers_per_stage)
     spec = spec_lib.parse(args.mesh, schedule=args.schedule, chunks=args.chunks, sequence_parallel=args.sp,
                           recompute=args.recompute, zero=args.zero, attention=args.attention, layout=args.layout,
-                          microbatches=1)
+                          microbatches=1, layers_per_stage=counts)
     m = 2 * spec.pp if args.microbatches is None else args.microbatches
     spec = spec_lib.ParallelSpec(**{**spec.__dict__, "microbatches": m})
     data, vocab = open_data(args, spec.tp)
@@ -228,7 +233,7 @@ def main(args) -> int:
 
     from jaxpar import reference
 
-    layers = 2 * spec.pp * spec.resolved_chunks if args.layers is None else args.layers
+    layers = args.layers if args.layers is not None else sum(counts) if counts else 2 * spec.pp * spec.resolved_chunks
     cfg = reference.ModelConfig(n_layers=layers, d_model=args.d_model, n_heads=args.heads, n_kv_heads=args.kv_heads,
                                 head_dim=max(2, args.d_model // args.heads), d_ff=args.ffn, vocab=vocab,
                                 mlp="swiglu", n_experts=args.experts, top_k=min(args.top_k, max(args.experts, 1)),

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from jaxpar.collectives import varying, varying_axes
 from jaxpar.mesh import PP
+from jaxpar.pipeline.plan import LAYER_SCOPE
 
 
 def _start(index: tuple, ndim: int) -> tuple:
@@ -253,7 +254,8 @@ def _unless_padding(held, fn: Callable, padding: Callable, *operands):
         zeros = jax.tree.unflatten(treedefs[0], [jnp.zeros(a.shape, a.dtype) for a in shapes])
         leaves = jax.tree.leaves(padding(*ops, zeros))
         return jax.tree.unflatten(treedefs[0], [varying(a, ax) for a, ax in zip(leaves, axes)])
-    return jax.lax.cond(held, fn, skip, *operands)
+    with jax.named_scope(LAYER_SCOPE):     # a reader of the compiled program counts its collectives per real layer
+        return jax.lax.cond(held, fn, skip, *operands)
 
 
 @dataclasses.dataclass(frozen=True)

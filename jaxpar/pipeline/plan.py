@@ -54,6 +54,9 @@ F_BRANCHES = ("idle", "F", "F_last")   # Row.f_branch: F_last is F of the last s
 B_BRANCHES = ("idle", "B", "W")        # Row.b_branch
 # the named scopes of the program's branches, innermost first (program.py; lane_runs)
 LANE_SCOPES = ("pipeline_first", "pipeline_loss", "pipeline_first_backward", "pipeline_F", "pipeline_B", "pipeline_W")
+# with uneven stages, the named scope of one real (not padding) layer inside a stage's scan:
+# it runs as many times per F, B or W as the chunk holds layers (`layer_runs`)
+LAYER_SCOPE = "pipeline_layer"
 
 
 class Row(NamedTuple):
@@ -144,15 +147,28 @@ class Plan:
         """{scope of a channel's ppermute: steps in which it runs}."""
         return {scope(*ch): int(self.flags[:, j].sum()) for j, ch in enumerate(self.sends)}
 
-    def lane_runs(self, device: int) -> dict[str, int]:
-        """{scope of LANE_SCOPES: steps in which that branch runs on pp rank `device`}."""
+    def lane_runs(self, device: int, chunk: int | None = None) -> dict[str, int]:
+        """{scope of LANE_SCOPES: steps in which that branch runs on pp rank `device`}
+        (on its chunk `chunk` only, if given)."""
         rows = Row(*self.table[:, device].T)   # each field: [steps]
         f, b, m = rows.f_branch, rows.b_branch, self.schedule.microbatches
+        if chunk is not None:
+            f, b = np.where(rows.f_chunk == chunk, f, 0), np.where(rows.b_chunk == chunk, b, 0)
         backward = b == B_BRANCHES.index("B")
         return {"pipeline_F": int((f > 0).sum()), "pipeline_first": int(((f > 0) & (rows.from_batch > 0)).sum()),
                 "pipeline_loss": int((f == F_BRANCHES.index("F_last")).sum()),
                 "pipeline_B": int(backward.sum()), "pipeline_W": int((b == B_BRANCHES.index("W")).sum()),
                 "pipeline_first_backward": int((backward & (rows.dx_write < m)).sum())}
+
+    def layer_runs(self, device: int, layers_per_stage: tuple[int, ...]) -> dict[str, int]:
+        """{scope of LANE_SCOPES: the layers pp rank `device` runs in that branch in one
+        step}: each run of a branch on chunk c runs its stage's layers_per_stage count."""
+        out = dict.fromkeys(LANE_SCOPES, 0)
+        for c in range(self.schedule.chunks):
+            held = layers_per_stage[self.schedule.stage_of(device, c)]
+            for name, n in self.lane_runs(device, c).items():
+                out[name] += held * n
+        return out
 
 
 def plan(s: Schedule) -> Plan:

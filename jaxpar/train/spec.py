@@ -19,7 +19,7 @@ import jax
 from jaxpar import errors, reference
 from jaxpar import mesh as mesh_lib
 from jaxpar.errors import ConfigError, is_whole
-from jaxpar.pipeline import orders
+from jaxpar.pipeline import orders, plan
 from jaxpar.pipeline import schedule as schedule_lib
 
 AXES = (mesh_lib.DP, mesh_lib.PP, mesh_lib.CP, mesh_lib.EP, mesh_lib.TP)   # mesh order: tp innermost (mesh.AXIS_ORDER)
@@ -36,7 +36,10 @@ class ParallelSpec:
     (ZeRO-1: optimizer state sharded over dp), 2 (ZeRO-2: and the gradients; in one
     compiled step the same program as 1) or 3 (ZeRO-3 / FSDP: and the weights, gathered
     layer by layer; not with recompute or a split backward). attention: ring or ulysses
-    over cp; layout: the ring's token order (zigzag balances causal work)."""
+    over cp; layout: the ring's token order (zigzag balances causal work).
+    layers_per_stage: uneven stages, the layers of each of the pp*chunks model stages in
+    model order, e.g. (1, 2, 2, 1) (the first and last stages also run the embedding and
+    the LM head); None: n_layers / (pp*chunks) each."""
 
     dp: int = 1
     pp: int = 1
@@ -51,8 +54,11 @@ class ParallelSpec:
     zero: int = 0
     attention: str = "ring"
     layout: str = "contiguous"
+    layers_per_stage: tuple[int, ...] | None = None
 
     def __post_init__(self):
+        if isinstance(self.layers_per_stage, list):        # a list reads as the tuple (a spec is hashed)
+            object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
         problems = []
         for name in AXES + ("microbatches",):
             value = getattr(self, name)
@@ -79,6 +85,7 @@ class ParallelSpec:
                             "and W (the layers'), and the trainer's collective check (comms) reads one branch per "
                             "kind of the backward's switch, so it could not prove them. Fix: schedule in "
                             f"({', '.join(orders.names(split_backward=False))}) with zero=3")
+        problems += self._uneven_problems()
         if self.attention not in ATTENTION:
             problems.append(f"attention={self.attention!r} must be one of {', '.join(ATTENTION)}")
         if self.layout not in LAYOUTS:
@@ -86,6 +93,31 @@ class ParallelSpec:
         if not isinstance(self.schedule, str) or self.schedule not in orders.REGISTRY:
             problems.append(f"schedule={self.schedule!r} must be one of {', '.join(orders.REGISTRY)}")
         _raise(problems, "ParallelSpec")
+
+    def _uneven_problems(self) -> list[str]:
+        """What uneven stages (layers_per_stage) cannot be combined with, each with its reason."""
+        counts = self.layers_per_stage
+        if counts is None:
+            return []
+        if not isinstance(counts, tuple) or not all(is_whole(c) and c >= 1 for c in counts):
+            return [f"layers_per_stage={counts!r} must be None or a tuple of whole numbers >= 1, one per model "
+                    "stage (pp*chunks), e.g. (1, 2, 2, 1)"]
+        if len(set(counts)) <= 1:
+            return []
+        out = []
+        if self.pp == 1:
+            out.append(f"layers_per_stage={counts} with pp=1: one device runs every layer, there is no stage to "
+                       "balance. Fix: pp > 1, or layers_per_stage=None")
+        if self.zero == 3:
+            out.append(f"layers_per_stage={counts} with zero=3: each stage's layers gather their weights over dp, "
+                       "and the trainer's ZeRO-3 collective check counts those gathers per pp rank from one "
+                       "layer count for every stage. Fix: zero in (0, 1, 2) with uneven stages, or even stages")
+        sizes_ok = all(is_whole(getattr(self, a)) for a in AXES)
+        if self.recompute is True and sizes_ok and self.tp * self.cp * self.ep > 1:
+            out.append(f"layers_per_stage={counts} with recompute=True and tp*cp*ep > 1: the trainer's collective "
+                       "check counts a recomputed one-layer stage as XLA compiles it unscanned, but padded to the "
+                       "largest count it is scanned. Fix: recompute=False, or even stages")
+        return out
 
     @property
     def devices(self) -> int:
@@ -97,7 +129,8 @@ class ParallelSpec:
 
     def describe(self) -> str:
         parts = [f"{a}{n}" for a, n in self.sizes.items() if n > 1] or ["1 device"]
-        extra = [self.schedule if self.pp > 1 else None, "sp" if self.sequence_parallel else None,
+        extra = [self.schedule if self.pp > 1 else None,
+                 "layers " + "/".join(map(str, self.layers_per_stage)) if self.uneven else None, "sp" if self.sequence_parallel else None,
                  f"zero{self.zero}" if self.zero else None, self.attention if self.cp > 1 else None,
                  self.layout if self.cp > 1 and self.layout != "contiguous" else None,
                  "recompute" if self.recompute else None]
@@ -106,6 +139,11 @@ class ParallelSpec:
     def make_schedule(self) -> schedule_lib.Schedule:
         return schedule_lib.make(self.schedule, stages=self.pp, microbatches=self.microbatches,
                                  chunks=self.chunks)
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the stages hold different numbers of layers (`layers_per_stage`)."""
+        return self.layers_per_stage is not None and len(set(self.layers_per_stage)) > 1
 
     @property
     def resolved_chunks(self) -> int:
@@ -137,9 +175,15 @@ class ParallelSpec:
             out.append(f"the mesh needs dp*pp*cp*ep*tp = {self.devices} devices, {n_devices} are available: "
                        f"choose sizes whose product is {n_devices}")
         stages = self.pp * self.resolved_chunks
-        if cfg.n_layers % stages:
+        if self.layers_per_stage is not None:
+            try:
+                plan.layer_split(self.layers_per_stage, cfg.n_layers, stages)
+            except ConfigError as e:
+                out.append(f"{e} (pp*chunks = {self.pp}*{self.resolved_chunks} model stages, n_layers={cfg.n_layers})")
+        elif cfg.n_layers % stages:
             out.append(f"n_layers={cfg.n_layers} does not split into pp*chunks = {self.pp}*{self.resolved_chunks} "
-                       f"= {stages} stages: use pp*chunks in ({errors.divisors(cfg.n_layers)})")
+                       f"= {stages} stages: use pp*chunks in ({errors.divisors(cfg.n_layers)}), or give "
+                       f"layers_per_stage, e.g. {plan.even_or_near(cfg.n_layers, stages) if cfg.n_layers >= stages else '(...)'}")
         tp = self.tp
         for name in ("n_heads", "vocab", "d_ff"):
             if getattr(cfg, name) % tp:

@@ -26,7 +26,9 @@ Inside the one shard_map, on every device:
      balance loss joins the reported loss, the load moves the router bias.
 
 The state between steps (`TrainState`) holds the blocks in the pipeline's stage layout
-[pp, v, L/(pp v), ...] split over pp, the rest as their specs say; `canonical` turns it
+[pp, v, L/(pp v), ...] split over pp (uneven stages, `spec.layers_per_stage`: [pp, v,
+the largest count, ...], each stage's layers first and zeros after; the zeros get a zero
+gradient, so AdamW leaves them zero, and `canonical` drops them), the rest as their specs say; `canonical` turns it
 into reference.init_params's structure (what checkpoints hold, whatever the mesh).
 """
 
@@ -129,7 +131,9 @@ class Trainer:
             self.schedule, stage_fn, shapes["blocks"], (ids, ids), mesh=self.mesh, loss_fn=loss_fn,
             recompute=spec.recompute, input_grads=False, param_specs=layer_pspecs, batch_spec=batch_spec,
             first_fn=first_fn, first_params=shapes["first"], first_specs=first_pspecs, last_params=shapes["last"],
-            last_specs=last_pspecs)
+            last_specs=last_pspecs, layers_per_stage=spec.layers_per_stage if spec.pp > 1 else None)
+        # the stage layout's padding with uneven stages (None: even, no padding)
+        self.layers_per_stage = self.local.request.layers_per_stage if self.local.request.uneven else None
         req = self.local.request
         self.batch_spec = req.in_spec
         # over pp of one device the program's values still vary over pp (a psum over a group
@@ -155,7 +159,7 @@ class Trainer:
     # ---- layout ---------------------------------------------------------------------------
 
     def _staged(self, tree: dict) -> dict:
-        return {**tree, "blocks": to_stages(tree["blocks"], self.schedule)}
+        return {**tree, "blocks": to_stages(tree["blocks"], self.schedule, self.layers_per_stage)}
 
     def _plan_zero(self):
         """Per leaf: the dimension ZeRO splits its optimizer state along over dp (-1:
@@ -283,12 +287,13 @@ class Trainer:
     def _build_state(self, params, opt, step) -> TrainState:
         staged = self._staged(model_lib.split(params))
         opt = self.tx.init(staged) if opt is None else self._opt_map(opt, lambda a, k: to_stages(
-            a, self.schedule) if k else a)
+            a, self.schedule, self.layers_per_stage) if k else a)
         return TrainState(step=jnp.asarray(step, jnp.int32), params=staged, opt=opt)
 
     def _unstage(self, state: TrainState):
-        params = model_lib.join({**state.params, "blocks": from_stages(state.params["blocks"], self.schedule)})
-        opt = self._opt_map(state.opt, lambda a, k: from_stages(a, self.schedule) if k else a)
+        params = model_lib.join({**state.params, "blocks": from_stages(state.params["blocks"], self.schedule,
+                                                                         self.layers_per_stage)})
+        opt = self._opt_map(state.opt, lambda a, k: from_stages(a, self.schedule, self.layers_per_stage) if k else a)
         return params, opt, state.step
 
     def canonical(self, state: TrainState) -> tuple[dict, Any, jax.Array]:

@@ -34,7 +34,7 @@ from jaxpar.expert import formulas as ep_formulas
 from jaxpar.mesh import CP, DP, EP, PP, TP
 from jaxpar.pipeline import direct
 from jaxpar.pipeline import formulas as pipe_formulas
-from jaxpar.pipeline.plan import LANE_SCOPES
+from jaxpar.pipeline.plan import LANE_SCOPES, LAYER_SCOPE
 from jaxpar.train import formulas as train_formulas
 
 
@@ -195,17 +195,41 @@ def stage_collectives(trainer, ops, device: int) -> comms.Collectives:
         if scope is None or op.executions % max(plan.steps, 1):
             raise ValueError(f"collective {op.name} ({op.scope}) is in no branch scope of the pipeline")
         n = op.executions // plan.steps * runs[scope]
+        if trainer.layers_per_stage is not None and f"/{LAYER_SCOPE}/" in f"/{op.scope}/":
+            n = _layer_op_runs(trainer, op, scope, device)
         out = out + comms.Collectives({op.kind: (n, n * op.bytes)})
     return out
+
+
+def _layer_op_runs(trainer, op, scope: str, device: int) -> int:
+    """How often a collective inside one layer of an uneven stage runs on pp rank
+    `device` in one step: its executions per layer (its loops inside the layer) times the
+    real layers that rank runs in the branch `scope` (`Plan.layer_runs`); the scan over a
+    chunk's layers runs the largest count, the padding's branch holds no collective."""
+    plan, depth = trainer.local.plan, trainer.local.request.depth
+    per_layer, rest = divmod(op.executions, max(plan.steps, 1) * depth)
+    if rest:
+        raise ValueError(f"collective {op.name} ({op.scope}) runs {op.executions} times, not a multiple of "
+                         f"{plan.steps} steps x {depth} layers")
+    return per_layer * plan.layer_runs(device, trainer.layers_per_stage)[scope]
 
 
 def expected_stage_collectives(trainer, device: int) -> comms.Collectives:
     """The formulas' sum for what `stage_collectives` measures on pp rank `device`
     (`train.formulas.stage_collectives`: every technique's collectives at the sizes one
     device sees, times the runs of each branch there)."""
-    return train_formulas.stage_collectives(cfg=trainer.cfg, spec=trainer.spec, batch_size=trainer.batch_size,
-                                            seq_len=trainer.seq_len, dtype=trainer.dtype,
-                                            runs=trainer.local.plan.lane_runs(device))
+    plan, spec = trainer.local.plan, trainer.spec
+    kw = dict(spec=spec, batch_size=trainer.batch_size, seq_len=trainer.seq_len, dtype=trainer.dtype)
+    if trainer.layers_per_stage is None:
+        return train_formulas.stage_collectives(cfg=trainer.cfg, runs=plan.lane_runs(device), **kw)
+    # uneven stages: the formula chunk by chunk, each at its own layer count (the formula
+    # reads the count as n_layers / (pp*chunks)) and with the runs of that chunk's branches
+    out = comms.Collectives({})
+    for c in range(spec.resolved_chunks):
+        held = trainer.layers_per_stage[trainer.schedule.stage_of(device, c)]
+        cfg = dataclasses.replace(trainer.cfg, n_layers=held * spec.pp * spec.resolved_chunks)
+        out = out + train_formulas.stage_collectives(cfg=cfg, runs=plan.lane_runs(device, c), **kw)
+    return out
 
 
 def collectives(trainer, compiled) -> dict:
@@ -300,7 +324,8 @@ def summarize(trainer, history, *, out: str | None = None) -> dict:
          "last_loss": history.losses[-1] if history.losses else None,
          "tokens_per_second": history.tokens_per_second(tokens), "step_seconds": history.step_seconds(),
          "compile_seconds": history.seconds[0] if history.seconds else None,
-         "memory_per_device": memory(compiled), "collectives": c, "collectives_match": matches(c)}
+         "memory_per_device": memory(compiled), "collectives": c, "collectives_match": matches(c),
+         "layers_per_stage": list(trainer.local.request.layers_per_stage) if trainer.spec.pp > 1 else None}
     if out is not None and history.steps:
         os.makedirs(out, exist_ok=True)
         s["loss_png"] = plot(history, os.path.join(out, "loss.png"))
@@ -311,6 +336,18 @@ def _kib(b: float) -> str:
     return f"{b / 1024:.1f} KiB" if b < 1 << 20 else f"{b / (1 << 20):.2f} MiB"
 
 
+def _layer_lines(s: dict) -> list[str]:
+    """The layers of each model stage (pipelines only); uneven: the padding each device holds."""
+    counts = s.get("layers_per_stage")
+    if not counts:
+        return []
+    line = f"  layers per stage: {'/'.join(map(str, counts))}"
+    if len(set(counts)) > 1:
+        line += (f" (uneven: every stage laid out as {max(counts)} layers, the {len(counts) * max(counts) - sum(counts)}"
+                 " padding layers skipped)")
+    return [line]
+
+
 def format_summary(s: dict) -> str:
     c, mem = s["collectives"], s["memory_per_device"]
     red = lambda d: ", ".join(f"{_kib(b)} over {n}" for n, b in sorted(d.items())) or "none"
@@ -318,6 +355,7 @@ def format_summary(s: dict) -> str:
         f"trained {s['spec']} for {s['steps']} steps: loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}",
         f"  {s['tokens_per_second']:,.0f} tokens/s, {1e3 * s['step_seconds']:.1f} ms/step "
         f"(first step, compile included: {s['compile_seconds']:.1f} s)",
+        *_layer_lines(s),
         f"  memory per device (compiled): weights+state {_kib(mem['argument'])}, temporaries {_kib(mem['temp'])}",
         f"  pipeline sends per step: {c['sends'].format() if c['sends'] else 'none'}"
         f" (formula: {c['expected_sends'].format() if c['expected_sends'] else 'none'})",

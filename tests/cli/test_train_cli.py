@@ -198,3 +198,26 @@ def test_the_text_summary_says_what_was_measured(capsys, tmp_path):
     assert "validation loss" in out and "after step 2 (mean of --eval-batches 4 held-out batches)" in out
     assert "MFU n/a (" in out and "no peak FLOP/s known for 'cpu'" in out
     assert "communication: " in out and "counted in the compiled step); not timed" in out
+
+
+def test_uneven_stages_from_the_command_line(capsys, tmp_path):
+    """--layers-per-stage 1,3: --layers defaults to their sum, the summary shows the split
+    and the collectives still equal the formulas (the layers' counted per real layer)."""
+    code, out, err = run(capsys, "train", "--mesh", "pp=2,tp=2", "--layers-per-stage", "1,3", "--steps", "2",
+                         "--out", str(tmp_path), *SMALL)
+    assert code == 0, err
+    assert "trained pp2 x tp2 1f1b layers 1/3 for 2 steps" in out
+    assert "layers per stage: 1/3 (uneven: every stage laid out as 3 layers, the 2 padding layers skipped)" in out
+    assert "collectives = the formulas" in out
+
+
+@pytest.mark.parametrize("argv,piece", [
+    (["--mesh", "pp=2", "--layers-per-stage", "1,x"], "--layers-per-stage '1,x': give whole layer counts"),
+    (["--mesh", "pp=2", "--layers-per-stage", "1,2"], "--layers-per-stage (1, 2) sums to 3, the model has 4 layers"),
+    (["--mesh", "pp=2", "--layers-per-stage", "1,1,2"], "has 3 entries for 2 model stages"),
+    (["--mesh", "pp=2,dp=2", "--zero", "3", "--layers-per-stage", "1,3"], "with --zero 3"),
+])
+def test_bad_layer_splits_are_one_line(capsys, argv, piece):
+    code, out, err = run(capsys, "train", "--steps", "2", *argv, *SMALL[:-1], "--layers", "4", "--batch", "4")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("jaxpar train: error:") and piece in err, err

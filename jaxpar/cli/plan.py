@@ -3,6 +3,7 @@
     jaxpar plan                                   Llama 3 405B on 16384 H100, seq 8192, 16M tokens
     jaxpar plan --model llama3-8b --gpus 64 --tokens 4M
     jaxpar plan --config tp=8,pp=16,dp=128        one configuration, every figure
+    jaxpar plan --config tp=8,pp=16,dp=128,layers=balanced     uneven stages (or layers=7/8x14/7)
     jaxpar plan --why                             also every rejected configuration and its reason
     jaxpar plan --list                            the models, GPUs and published configurations known
     jaxpar memory --model gpt3-175b --seq 2048 --tp 8 --sp --recompute selective
@@ -72,22 +73,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cp", default="1", help="context-parallel sizes to try, e.g. 1,2,4 (default 1)")
     parser.add_argument("--activations", default="block", choices=S.ACTIVATIONS,
                         help="block: the model's own layer; gpt: Korthikanti's 34sbh + 5as^2b (the lecture's)")
-    parser.add_argument("--config", help="evaluate one configuration, e.g. tp=8,pp=16,dp=128,recompute=full")
+    parser.add_argument("--config", help="evaluate one configuration, e.g. tp=8,pp=16,dp=128,recompute=full; "
+                                         "layers=balanced or layers=7/8x14/7: uneven stages (the layers of each)")
     parser.add_argument("--top", type=int, default=10, help="feasible configurations shown (default 10)")
     parser.add_argument("--why", action="store_true", help="also list every rejected configuration and why")
     parser.add_argument("--list", action="store_true", help="the models, GPUs and published configurations")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-def _config(text: str) -> S.Candidate:
-    fields = {}
+def _config(text: str, model: catalog.Model, seq_len: int) -> S.Candidate:
+    fields, split = {}, None
     for part in text.split(","):
         key, _, value = part.partition("=")
-        if key.strip() not in {f.name for f in S.Candidate.__dataclass_fields__.values()}:
-            raise ConfigError(f"--config {text!r}: {key.strip()!r} is not one of tp, pp, dp, cp, ep, chunks, "
-                              "microbatch_size, recompute")
-        fields[key.strip()] = value.strip() if key.strip() == "recompute" else int(value)
-    return S.Candidate(**fields)
+        key = key.strip()
+        if key == "layers":
+            split = value.strip()
+            continue
+        if key not in {f.name for f in S.Candidate.__dataclass_fields__.values()} - {"layers_per_stage"}:
+            raise ConfigError(f"--config {text!r}: {key!r} is not one of tp, pp, dp, cp, ep, chunks, "
+                              "microbatch_size, recompute, layers")
+        fields[key] = value.strip() if key == "recompute" else int(value)
+    cand = S.Candidate(**fields)
+    if split is None:
+        return cand
+    counts = S.parse_split(split, model=model, stages=cand.pp * cand.chunks, seq_len=seq_len, chunks=cand.chunks)
+    return S.Candidate(**fields, layers_per_stage=counts)
+
+
+def split_lines(split: S.Split) -> list[str]:
+    """The proposed uneven split of the choice, against the nearest-to-even one."""
+    b, e = split.balanced, split.near_even
+    fig = lambda x: (f"step {x.step:.2f} s, bubble {x.bubble:.3f}, memory {x.memory.get('total', 0) / GB:.1f} GB"
+                     if x.times else "; ".join(x.reasons))
+    lines = [f"\nuneven stages (the LM head costs {split.head_cost:.2f} layers, on the last stage; per-stage costs: "
+             f"the slowest stage sets the step): balanced split layers={S.split_label(split.layers_per_stage)}: "
+             f"{fig(b)}"]
+    if e.candidate.layers_per_stage == split.layers_per_stage:
+        return lines + ["  (the nearest-to-even split is the same)"]
+    return lines + [f"  nearest to even, layers={S.split_label(e.candidate.layers_per_stage)}: {fig(e)}"]
 
 
 def main(args) -> int:
@@ -105,7 +128,7 @@ def main(args) -> int:
     head = (f"{model.name} ({model.params / 1e9:.1f}B params) on {args.gpus} {gpu.name}, seq {args.seq_len}, "
             f"{args.tokens / 2**20:g}M tokens a step, MFU {args.mfu}, ZeRO-{args.zero}, activations: {args.activations}")
     if args.config:
-        e = S.evaluate(model, cluster, _config(args.config), tokens=args.tokens, seq_len=args.seq_len, zero=args.zero,
+        e = S.evaluate(model, cluster, _config(args.config, model, args.seq_len), tokens=args.tokens, seq_len=args.seq_len, zero=args.zero,
                        activation_model=args.activations)
         out = row(e, cluster) | {"memory": e.memory, "times": e.times}
         print(json.dumps(out, indent=1, default=str) if args.json else head + "\n\n" + table([row(e, cluster)]))
@@ -123,8 +146,11 @@ def main(args) -> int:
                 for p in published for rc in activations.RECOMPUTE]
     feasible = [e for e in found if e.feasible]
     rejected = [e for e in found if not e.feasible]
+    split = S.propose_split(model, cluster, choice.candidate, tokens=args.tokens, seq_len=args.seq_len,
+                            zero=args.zero, activation_model=args.activations) if choice.candidate.pp > 1 else None
     if args.json:
-        print(json.dumps({"choice": row(choice, cluster), "feasible": [row(e, cluster) for e in feasible[:args.top]],
+        print(json.dumps({"choice": row(choice, cluster), "split": split.to_dict() if split else None,
+                          "feasible": [row(e, cluster) for e in feasible[:args.top]],
                           "published": pub_rows, "rejected": [row(e, cluster) for e in rejected] if args.why
                           else len(rejected)}, indent=1))
         return 0
@@ -133,6 +159,8 @@ def main(args) -> int:
     print(table([row(e, cluster) for e in feasible[:args.top]]))
     print(f"\nplanner's choice (the least model parallelism within {S.TIE:.0%} of the fastest): "
           f"{choice.candidate.label()}, step {choice.step:.2f} s")
+    if split is not None:
+        print("\n".join(split_lines(split)))
     if pub_rows:
         print("\npublished configuration, with each recompute choice:\n")
         print(table(pub_rows))

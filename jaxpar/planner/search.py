@@ -41,7 +41,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.expert import formulas as expert_formulas
 from jaxpar.memory import activations, states
 from jaxpar.pipeline import formulas as pipeline_formulas
-from jaxpar.pipeline import orders
+from jaxpar.pipeline import orders, plan
 from jaxpar.planner.catalog import Accelerator, Model
 from jaxpar.tensor import formulas as tensor_formulas
 
@@ -75,6 +75,9 @@ class Candidate:
     chunks: int = 1
     microbatch_size: int = 1     # sequences per microbatch
     recompute: str = "none"
+    # uneven stages: the layers of each of the pp*chunks model stages (None: the even
+    # model, every device ceil(n_layers / pp) layers and the bubble's closed form)
+    layers_per_stage: tuple[int, ...] | None = None
 
     @property
     def schedule(self) -> str:
@@ -84,7 +87,8 @@ class Candidate:
 
     def label(self) -> str:
         extra = "".join(f" {k}={v}" for k, v in (("cp", self.cp), ("ep", self.ep), ("v", self.chunks)) if v > 1)
-        return f"tp={self.tp} pp={self.pp} dp={self.dp}{extra} mb={self.microbatch_size} {self.recompute}"
+        layers = f" layers={split_label(self.layers_per_stage)}" if self.layers_per_stage else ""
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}{extra} mb={self.microbatch_size} {self.recompute}{layers}"
 
 
 @dataclasses.dataclass
@@ -165,11 +169,20 @@ def evaluate(model: Model, cluster: Cluster, cand: Candidate, *, tokens, seq_len
     reasons = _broken_rules(model, cluster, cand, n_seq=n_seq, m=m, seq_len=seq_len)
     if reasons:
         return Estimate(candidate=cand, reasons=reasons, microbatches=m)
-    memory = _memory(model, cand, m=m, seq_len=seq_len, zero=zero, activation_model=activation_model)
+    if cand.layers_per_stage is not None:
+        memory = _uneven_memory(model, cand, m=m, seq_len=seq_len, zero=zero, activation_model=activation_model)
+    else:
+        memory = _memory(model, cand, m=m, seq_len=seq_len, zero=zero, activation_model=activation_model)
     if memory["total"] > cluster.gpu.memory:
         reasons.append(f"memory {memory['total'] / GB:.1f} GB > {cluster.gpu.memory / GB:.0f} GB")
     bubble = pipeline_formulas.bubble(cand.schedule, cand.pp, m, cand.chunks) if cand.pp > 1 else 0.0
-    times = _times(model, cluster, cand, n_seq=n_seq, m=m, seq_len=seq_len, bubble=bubble)
+    slowest = 1.0          # the busiest device's compute over the mean device's
+    if cand.layers_per_stage is not None:
+        costs = stage_costs(cand.layers_per_stage, head_cost=head_cost(model, seq_len))
+        span, busiest = pipeline_span(costs, pp=cand.pp, microbatches=m, chunks=cand.chunks)
+        bubble = (span - busiest) / span
+        slowest = busiest / (m * sum(costs) / cand.pp)
+    times = _times(model, cluster, cand, n_seq=n_seq, m=m, seq_len=seq_len, bubble=bubble, slowest=slowest)
     return Estimate(candidate=cand, reasons=reasons, microbatches=m, memory=memory, bubble=bubble, times=times)
 
 
@@ -190,6 +203,11 @@ def _broken_rules(model: Model, cluster: Cluster, c: Candidate, *, n_seq: int, m
         orders.REGISTRY[c.schedule].requires(c.schedule, c.pp, m, c.chunks)
     except ConfigError as e:
         reasons.append(str(e))
+    if c.layers_per_stage is not None:
+        try:
+            plan.layer_split(c.layers_per_stage, model.n_layers, c.pp * c.chunks)
+        except ConfigError as e:
+            reasons.append(str(e))
     if seq_len % (c.cp * c.tp):
         reasons.append(f"seq_len={seq_len} does not split into cp x tp = {c.cp * c.tp} (context and sequence parallel)")
     if model.experts and (c.dp % c.ep or model.experts % c.ep):
@@ -214,14 +232,17 @@ def _memory(model: Model, c: Candidate, *, m: int, seq_len: int, zero: int, acti
 
 
 def _times(model: Model, cluster: Cluster, c: Candidate, *, n_seq: int, m: int, seq_len: int,
-           bubble: float) -> dict:
+           bubble: float, slowest: float = 1.0) -> dict:
     """Seconds per step: compute, the tp, ep, pp, cp (hidden under compute) and dp traffic,
-    and the step, (compute + tp + ep + pp) / (1 - bubble) + dp."""
+    and the step, (compute x slowest + tp + ep + pp) / (1 - bubble) + dp, where `slowest`
+    is the busiest pipeline device's compute over the mean's (1 with the even model; with
+    uneven stages the slowest stage sets the pace)."""
     gpu = cluster.gpu
     flops = 6 * model.active_params + 6 * model.n_layers * model.d_model * seq_len
     extra = {"none": 0.0, "selective": 2 * model.n_layers * model.d_model * seq_len, "full": 2 * model.active_params}
     compute = n_seq * seq_len * (flops + extra[c.recompute]) / (cluster.gpus * gpu.flops * cluster.mfu)
-    passes_per_step = -(-model.n_layers // c.pp) * m          # layer-microbatches per device per step
+    held = max(device_layers(c.layers_per_stage, c.pp, c.chunks)) if c.layers_per_stage else -(-model.n_layers // c.pp)
+    passes_per_step = held * m          # layer-microbatches per device per step (the device holding the most)
     local_tokens = c.microbatch_size * seq_len // c.cp
     bw = lambda group: gpu.intra if group <= gpu.per_node else gpu.inter
     tp_s = passes_per_step * tp_wire_bytes(model, tokens=local_tokens, tp=c.tp,
@@ -238,7 +259,7 @@ def _times(model: Model, cluster: Cluster, c: Candidate, *, n_seq: int, m: int, 
     cp_s = passes_per_step * 3 * (c.cp - 1) * 2 * local_tokens * model.d_model * kv * 2 / c.tp / bw(c.tp * c.cp)
     grad_bytes = 2 * (model.dense_params / (c.tp * c.pp))
     dp_s = grad_bytes * 2 * (c.dp - 1) / c.dp / gpu.inter if c.dp > 1 else 0.0
-    step = (compute + tp_s + ep_s + pp_s) / (1 - bubble) + dp_s
+    step = (compute * slowest + tp_s + ep_s + pp_s) / (1 - bubble) + dp_s
     return {"compute": compute, "tp": tp_s, "ep": ep_s, "pp": pp_s, "cp (hidden)": cp_s, "dp": dp_s, "step": step}
 
 
@@ -289,3 +310,182 @@ def best(model: Model, cluster: Cluster, *, tokens, seq_len: int, zero: int = 1,
            f"every candidate fails a divisibility rule, e.g. {found[0].reasons[0]}" if found else "no candidate")
     raise ConfigError(f"{model.name} fits no configuration on {cluster.gpus} {cluster.gpu.name}: {why}. Fix: more "
                       "GPUs, a smaller batch or sequence, or ZeRO-3 (zero=3)")
+
+
+# ---- uneven stages: per-stage costs, the pipeline's span, a balanced split -----------------
+#
+# Stage k's time per microbatch, in units of one transformer layer's (forward and
+# backward): its layers, plus the embedding on the first stage and the LM head on the
+# last. The pipeline runs at the pace of its busiest device: with the loop placement of
+# `chunks` chunks (stage c*p + d on device d), device d's time per microbatch is the sum
+# of its chunks' stages, T_d, and the step's span is m max_d T_d (the busiest device's
+# work) plus the time the first microbatch takes to fill the pipeline and the last to
+# drain it, (sum_k t_k - max_d T_d) / chunks: with even stages (p - 1)/(m + p - 1) of
+# the span for 1F1B and (p - 1)/(v m + p - 1) interleaved, the closed forms of
+# `pipeline.formulas.bubble`. With uneven stages it is an upper bound that
+# `pipeline.timing.timed` tightens by a few percent (a light stage catches up in the drain).
+
+
+def layer_params(model: Model) -> float:
+    """Active parameters of one transformer layer: the model's less the embedding and the
+    LM head (d_model x vocab each, untied), over its layers."""
+    return (model.active_params - 2 * model.d_model * model.vocab) / model.n_layers
+
+
+def head_cost(model: Model, seq_len: int) -> float:
+    """The LM head's training FLOPs per token (6 d_model vocab) in units of one layer's (6 x
+    its parameters + 6 d_model seq_len, causal attention, as `_times` counts them): about
+    0.6 for Llama 3 405B at seq 8192. The embedding is a lookup: no FLOPs to speak of."""
+    return 6 * model.d_model * model.vocab / (6 * layer_params(model) + 6 * model.d_model * seq_len)
+
+
+def stage_costs(layers_per_stage: tuple[int, ...], *, embed_cost: float = 0.0, head_cost: float = 0.0) -> tuple:
+    """Each model stage's time per microbatch in layer units: its layers, the embedding's
+    `embed_cost` on the first, the LM head's `head_cost` on the last."""
+    costs = [float(n) for n in layers_per_stage]
+    costs[0] += embed_cost
+    costs[-1] += head_cost
+    return tuple(costs)
+
+
+def device_layers(layers_per_stage: tuple[int, ...], pp: int, chunks: int = 1) -> list[int]:
+    """The layers each pipeline device holds: its chunks' stages c*pp + d summed."""
+    return [sum(layers_per_stage[c * pp + d] for c in range(chunks)) for d in range(pp)]
+
+
+def pipeline_span(costs: tuple[float, ...], *, pp: int, microbatches: int, chunks: int = 1) -> tuple[float, float]:
+    """(the step's span, the busiest device's work), both in the units of `costs` (one per
+    model stage, pp*chunks of them, e.g. `stage_costs`): span = m max_d T_d + (sum costs -
+    max_d T_d) / chunks (see above); the bubble is (span - work) / span."""
+    if len(costs) != pp * chunks:
+        raise ConfigError(f"{len(costs)} stage costs for pp x chunks = {pp} x {chunks} stages: give one per stage")
+    per_device = [sum(costs[c * pp + d] for c in range(chunks)) for d in range(pp)]
+    busiest = microbatches * max(per_device)
+    return busiest + (sum(costs) - max(per_device)) / chunks, busiest
+
+
+def balanced_split(n_layers: int, stages: int, *, embed_cost: float = 0.0, head_cost: float = 0.0,
+                   chunks: int = 1) -> tuple:
+    """The layers of each of `stages` model stages (at least one each) that make the
+    slowest device, its layers + embed_cost on the first stage's + head_cost on the last
+    stage's, as fast as whole layers allow; among the splits as fast, the devices at the
+    ends lightest. With `chunks` per device (the loop placement: stage c*p + d on device
+    d), the devices are balanced, each one's layers then split evenly over its chunks.
+    balanced_split(6, 4) = (1, 2, 2, 1); balanced_split(126, 16, head_cost=0.63) = (7, 8,
+    ..., 8, 7) (Llama 3 405B on pp=16)."""
+    errors.whole("n_layers", n_layers)
+    errors.whole("stages", stages)
+    errors.whole("chunks", chunks)
+    for name, value in (("embed_cost", embed_cost), ("head_cost", head_cost)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise ConfigError(f"{name}={value!r}: a cost in layers, a finite number >= 0 (e.g. "
+                              "search.head_cost(model, seq_len))")
+    if stages % chunks:
+        raise ConfigError(f"stages={stages} is not pp x chunks with chunks={chunks}: give a multiple of {chunks}")
+    if n_layers < stages:
+        raise ConfigError(f"{n_layers} layers cannot fill {stages} stages (each holds at least one): use at most "
+                          f"{n_layers} stages")
+    pp = stages // chunks
+    per_device = _fill(n_layers, stage_costs((0,) * pp, embed_cost=embed_cost, head_cost=head_cost), chunks)
+    split = [0] * stages
+    for d, held in enumerate(per_device):
+        base, more = divmod(held, chunks)
+        # the extra layers away from the embedding's chunk (device 0's first) and the head's (the last device's last)
+        order = list(range(chunks))[::-1] if d == 0 else list(range(chunks))
+        for j, c in enumerate(order):
+            split[c * pp + d] = base + (j < more)
+    return tuple(split)
+
+
+def _fill(n_layers: int, extra: tuple[float, ...], minimum: int) -> list[int]:
+    """Layers per slot (each at least `minimum`) summing to n_layers that minimise the
+    largest layers + extra; ties: the slots at the ends lighter."""
+    slots = len(extra)
+
+    def counts_within(limit: float) -> list[int]:      # the most layers each slot takes under `limit`
+        return [max(minimum, math.floor(limit - e + 1e-9)) for e in extra]
+    limits = sorted({j + e for e in extra for j in range(1, n_layers + 1)})
+    lo, hi = 0, len(limits) - 1
+    while lo < hi:                                       # the smallest limit that holds every layer
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if sum(counts_within(limits[mid])) < n_layers else (lo, mid)
+    counts = counts_within(limits[lo])
+    for _ in range(sum(counts) - n_layers):              # too many: take from the slowest, ends first
+        k = max((k for k in range(slots) if counts[k] > minimum),
+                key=lambda k: (counts[k] + extra[k], extra[k], -min(k, slots - 1 - k)))
+        counts[k] -= 1
+    return counts
+
+
+def split_label(layers_per_stage: tuple[int, ...]) -> str:
+    """'7/8x14/7' for (7, 8, ..., 8, 7): runs of equal counts written count x times."""
+    runs = [list(g) for _, g in itertools.groupby(layers_per_stage)]
+    return "/".join(f"{r[0]}x{len(r)}" if len(r) > 2 else "/".join(map(str, r)) for r in runs)
+
+
+def _uneven_memory(model: Model, c: Candidate, *, m: int, seq_len: int, zero: int, activation_model: str) -> dict:
+    """`_memory` with uneven stages: per device, the states of its own layers (the
+    embedding on the first, the head on the last) and its activations at its peak
+    (`activations.stage_bytes`: its layers, in flight as its place in the pipeline
+    says); the device of the largest total."""
+    counts = device_layers(c.layers_per_stage, c.pp, c.chunks)
+    in_flight = pipeline_formulas.in_flight(c.schedule, p=c.pp, m=m, chunks=c.chunks)
+    edge = model.d_model * model.vocab                     # the embedding's, or the head's, parameters
+    dense_layer = (model.dense_params - 2 * edge) / model.n_layers
+    expert_layer = model.expert_params / model.n_layers
+    devices = []
+    for d, held in enumerate(counts):
+        dense = held * dense_layer + edge * ((d == 0) + (d == c.pp - 1))
+        # state_bytes splits its counts over pp: this device's own, times pp
+        st = states.state_bytes(dense=dense * c.pp, experts=held * expert_layer * c.pp, tp=c.tp, pp=c.pp,
+                                dp=c.dp, ep=c.ep, zero=zero)
+        act = activations.stage_bytes(block(model, activation_model), layers=held, device=d, pp=c.pp,
+                                      in_flight=in_flight, seq_len=seq_len, batch_size=c.microbatch_size, tp=c.tp,
+                                      sp=c.tp > 1, cp=c.cp, recompute=c.recompute)
+        devices.append({"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": act})
+    peak = max(devices, key=lambda mem: sum(mem.values()))
+    return {**peak, "total": sum(peak.values())}
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A proposed uneven split for a candidate: the balanced one and, to compare, the
+    nearest to even (`plan.even_or_near`), both estimated with per-stage costs."""
+    layers_per_stage: tuple[int, ...]
+    head_cost: float              # the LM head, in layers
+    balanced: Estimate
+    near_even: Estimate
+
+    def to_dict(self) -> dict:
+        row = lambda e: {"layers_per_stage": list(e.candidate.layers_per_stage), "step s": e.step,
+                         "bubble": e.bubble, "memory GB": e.memory.get("total", 0.0) / GB}
+        return {"layers_per_stage": list(self.layers_per_stage), "head_cost_layers": self.head_cost,
+                "balanced": row(self.balanced), "near_even": row(self.near_even)}
+
+
+def propose_split(model: Model, cluster: Cluster, cand: Candidate, *, tokens, seq_len: int, zero: int = 1,
+                  activation_model: str = "block") -> Split:
+    """`balanced_split` of the model's layers over cand's pp*chunks stages, the LM head
+    costed (`head_cost`), with the estimates of that split and of the nearest-to-even one."""
+    stages = cand.pp * cand.chunks
+    cost = head_cost(model, seq_len)
+    split = balanced_split(model.n_layers, stages, head_cost=cost, chunks=cand.chunks)
+    estimate = lambda counts: evaluate(model, cluster, dataclasses.replace(cand, layers_per_stage=counts),
+                                       tokens=tokens, seq_len=seq_len, zero=zero, activation_model=activation_model)
+    return Split(layers_per_stage=split, head_cost=cost, balanced=estimate(split),
+                 near_even=estimate(plan.even_or_near(model.n_layers, stages)))
+
+
+def parse_split(text: str, *, model: Model, stages: int, seq_len: int, chunks: int = 1) -> tuple[int, ...]:
+    """--config's layers=...: 'balanced' (`balanced_split` with the LM head costed), or
+    counts separated by '/', a run written count x times: '7/8x14/7'."""
+    if text == "balanced":
+        return balanced_split(model.n_layers, stages, head_cost=head_cost(model, seq_len), chunks=chunks)
+    counts = []
+    for part in text.split("/"):
+        value, _, times = part.partition("x")
+        if not value.strip().isdigit() or (times and not times.strip().isdigit()):
+            raise ConfigError(f"layers={text!r}: give 'balanced' or the layers of each stage separated by '/', "
+                              "a run as count x times, e.g. layers=7/8x14/7")
+        counts += [int(value)] * (int(times) if times else 1)
+    return tuple(counts)

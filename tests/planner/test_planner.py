@@ -94,3 +94,104 @@ def test_a_full_sweep_of_16384_gpus_evaluates_every_candidate_once():
     assert len(found) == 5 * 3 * (1 + 6 * 2) * 3 * 3 == 1755
     assert len({e.candidate for e in found}) == 1755
     assert all(e.candidate.tp * e.candidate.pp * e.candidate.cp * e.candidate.dp == 16384 for e in found)
+
+
+# ---- uneven stages: per-stage costs, the slowest stage's pace, a balanced split ------------------
+
+L8B = catalog.model("llama3-8b")
+
+
+def test_balanced_split_makes_the_ends_lighter():
+    assert S.balanced_split(6, 4) == (1, 2, 2, 1)
+    assert S.balanced_split(8, 4) == (2, 2, 2, 2)
+    assert S.balanced_split(126, 16, head_cost=0.63) == (7,) + (8,) * 14 + (7,)      # Llama 3 405B on pp=16
+    assert S.balanced_split(32, 4, head_cost=2.09) == (8, 9, 9, 6)                   # the 8B's head: 2 layers' work
+    assert S.balanced_split(6, 4, chunks=2) == (1, 2, 2, 1)     # devices 0 (stages 0, 2) and 1 (1, 3): 3 layers each
+    assert S.split_label((7,) + (8,) * 14 + (7,)) == "7/8x14/7"
+    assert S.head_cost(L405, 8192) == pytest.approx(0.63, abs=0.01)
+    assert S.head_cost(L8B, 8192) == pytest.approx(2.09, abs=0.01)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: S.balanced_split(3, 4), "3 layers cannot fill 4 stages"),
+    (lambda: S.balanced_split(8, 4, head_cost=-1.0), "head_cost=-1.0: a cost in layers"),
+    (lambda: S.balanced_split(8, 3, chunks=2), "stages=3 is not pp x chunks"),
+    (lambda: S.parse_split("7/8y/7", model=L405, stages=16, seq_len=8192), "layers='7/8y/7'"),
+])
+def test_bad_split_input(call, match):
+    with pytest.raises(ConfigError, match=match):
+        call()
+
+
+@pytest.mark.parametrize("name, p, m, chunks", [("1f1b", 4, 8, 1), ("1f1b", 16, 16, 1), ("interleaved", 4, 8, 2)])
+def test_even_stages_span_is_the_closed_form_bubble(name, p, m, chunks):
+    from jaxpar.pipeline import formulas
+
+    span, busiest = S.pipeline_span((1.0,) * (p * chunks), pp=p, microbatches=m, chunks=chunks)
+    assert (span - busiest) / span == pytest.approx(formulas.bubble(name, p, m, chunks))
+
+
+def test_uneven_span_bounds_the_timed_schedule():
+    """The closed form's span is an upper bound of the 1F1B table timed with these
+    per-stage costs (`pipeline.timing`), within a few percent: the slowest stage sets it."""
+    from jaxpar.pipeline import schedule, timing
+
+    for costs in ((3.0, 6.0, 6.0, 3.0), (3.0, 6.0, 3.0, 3.0), (2.0, 3.0, 3.0, 2.5)):
+        timed = timing.timed(schedule.make("1f1b", stages=4, microbatches=8),
+                             timing.Costs(F=tuple(c / 3 for c in costs), B=tuple(2 * c / 3 for c in costs)))
+        span, busiest = S.pipeline_span(costs, pp=4, microbatches=8)
+        assert busiest == 8 * max(costs)
+        assert timed.makespan <= span <= 1.1 * timed.makespan
+
+
+def _est8b(split, recompute="full"):
+    return S.evaluate(L8B, S.Cluster(gpu=H100, gpus=64), S.Candidate(tp=1, pp=4, dp=16, recompute=recompute,
+                      layers_per_stage=split), tokens=4 * 2**20, seq_len=8192)
+
+
+def test_the_slowest_stage_sets_the_step():
+    """Llama 3 8B on pp=4: even stages leave the LM head (2.09 layers) on a last stage of 8
+    layers, the slowest; the balanced split (8, 9, 9, 6) is faster by about 10.09/9."""
+    even, balanced = _est8b((8, 8, 8, 8)), _est8b((8, 9, 9, 6))
+    assert even.feasible and balanced.feasible
+    head = S.head_cost(L8B, 8192)
+    m = balanced.microbatches
+    # (sum of the stages' costs - the slowest's) / (m x the slowest's + that): the slowest 9 layers, or 8 + the head
+    assert balanced.bubble == pytest.approx((32 + head - 9) / (9 * m + 32 + head - 9))
+    assert even.bubble == pytest.approx(24 / ((8 + head) * m + 24))
+    assert even.step / balanced.step == pytest.approx(1.1, abs=0.02)
+    split = S.propose_split(L8B, S.Cluster(gpu=H100, gpus=64), S.Candidate(tp=1, pp=4, dp=16, recompute="full"),
+                            tokens=4 * 2**20, seq_len=8192)
+    assert split.layers_per_stage == (8, 9, 9, 6) and split.near_even.candidate.layers_per_stage == (8, 8, 8, 8)
+    assert split.balanced.step < split.near_even.step
+
+
+def test_memory_counts_each_stages_own_layers():
+    """Llama 3 405B on pp=16: the even model holds ceil(126/16) = 8 layers on the first
+    stage at p microbatches in flight; with 7/8x14/7 the first holds 7 x 16 and the
+    second, the peak, 8 x 15 (layer-microbatches); a split that loads the first device
+    more raises its memory."""
+    even = est(8, 16, 128)
+    balanced = est(8, 16, 128, layers_per_stage=(7,) + (8,) * 14 + (7,))
+    heavy_first = est(8, 16, 128, layers_per_stage=(9,) + (8,) * 13 + (7, 6))
+    assert balanced.memory["activations"] == pytest.approx(even.memory["activations"] * 8 * 15 / (8 * 16))
+    assert heavy_first.memory["activations"] == pytest.approx(even.memory["activations"] * 9 / 8)
+    assert heavy_first.memory["total"] > balanced.memory["total"]
+
+
+def test_a_split_that_does_not_fit_is_rejected_with_its_reason():
+    e = est(8, 16, 128, layers_per_stage=(8,) * 16)
+    assert not e.feasible and any("sums to 128, the model has 126 layers" in r for r in e.reasons)
+    assert "layers=8x16" in e.candidate.label()
+
+
+def test_jaxpar_plan_shows_and_takes_a_split(capsys):
+    from jaxpar.cli.main import main as cli_main
+
+    assert cli_main(["plan", "--model", "llama3-8b", "--gpus", "64", "--tokens", "4M",
+                     "--config", "tp=1,pp=4,dp=16,recompute=full,layers=balanced"]) == 0
+    assert "layers=8/9/9/6" in capsys.readouterr().out
+    assert cli_main(["plan", "--model", "llama3-70b", "--gpus", "512", "--tokens", "4M"]) == 0
+    out = capsys.readouterr().out
+    assert "uneven stages (the LM head costs 1.14 layers, on the last stage" in out and "balanced split layers=" in out
+    assert "nearest to even, layers=5x16" in out

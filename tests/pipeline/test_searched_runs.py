@@ -1,0 +1,201 @@
+"""Searched schedules (jaxpar.pipeline.search) executed by the pipeline runtime.
+
+A searched schedule is a table like any other; these tests hold that the runtime runs it
+as searched:
+
+* a sample at p = 2 and 4 (caps p and 2p, loop and v placements, three cost settings)
+  runs with loss, input gradient and every parameter gradient equal to the unsharded
+  model's (float32; one case in float64 to ~1e-12);
+* its plan carries exactly the table's sends, in the permutes and between the device pairs
+  the oracles read off the placement (tests/oracles.py), and the compiled step runs those
+  collective-permutes; the plan keeps as many residual slots as the table's peak in flight,
+  and the search kept its memory under the cap;
+* the compiled temp memory tracks the searched peak: with transformer blocks as stages
+  (jaxpar.memory.verify's tagged blocks), the microbatches the compiled step holds equal
+  the searched schedule's peak in flight at a tight cap and a loose one (within 10%, as
+  `jaxpar verify memory` checks the named schedules).
+
+Each search is one call of a second at most and each runtime case one compile, both cached
+per process; the memory check compiles four programs (two GPipe references, two searched).
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxpar import mesh as mesh_lib
+from jaxpar import reference
+from jaxpar.memory import activations
+from jaxpar.memory import verify as memory_verify
+from jaxpar.pipeline import plan as plan_lib
+from jaxpar.pipeline import runtime, schedule, search, stage, verify
+from jaxpar.pipeline.timing import Costs
+from jaxpar.testing import compare as compare_trees, compiled_collectives
+from tests import oracles
+
+UNIT = "F=1,B=1,W=1"
+UNEQUAL = "F=1,B=2,W=1,comm=0.5"          # a backward twice the forward, and a send's latency
+PUBLISHED = "F=18.522,B=18.086,W=9.337,comm=0.601"   # Qi et al. 2023, Table 3, 1.5B model on 8 GPUs
+TIME_LIMIT = 0.3    # seconds of search: the orders only need to be valid, not the best
+
+# (p, m, chunks, placement, costs, memory_cap in M_B units)
+CASES = [
+    (2, 4, 1, "loop", UNIT, 2),          # cap p: 1F1B's memory
+    (2, 4, 1, "loop", UNEQUAL, 4),       # cap 2p
+    (4, 8, 1, "loop", PUBLISHED, 4),
+    (4, 8, 1, "loop", UNEQUAL, 8),
+    (2, 4, 2, "v", UNEQUAL, 2),
+    (4, 8, 2, "v", UNEQUAL, 8),
+    (4, 8, 2, "loop", PUBLISHED, 8),
+]
+
+
+def case_id(case) -> str:
+    p, m, chunks, placement, costs, cap = case
+    label = {UNIT: "unit", UNEQUAL: "unequal", PUBLISHED: "published"}[costs]
+    return f"p{p}-m{m}-v{chunks}-{placement}-{label}-cap{cap}"
+
+
+@functools.cache
+def searched(p, m, chunks, placement, costs, cap) -> search.Searched:
+    return search.search(p, m, Costs.parse(costs), memory_cap=cap, chunks=chunks, placement=placement,
+                         time_limit=TIME_LIMIT)
+
+
+def oracle_name(s: schedule.Schedule) -> str:
+    """The oracles read a schedule's placement from its name: a named schedule with s's."""
+    return "dualpipe-v" if s.placement == "v" else "interleaved"
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=case_id(c)) for c in CASES])
+def test_searched_plan_carries_its_sends_in_peak_slots(case):
+    s = searched(*case)
+    s.validate()
+    oracles.check_dependencies(s)
+    assert s.split_backward and (s.stages, s.microbatches, s.chunks, s.placement) == case[:4]
+    assert max(s.timing.peak_memory) <= s.memory_cap == case[5]
+    plan = plan_lib.plan(s)
+    name = oracle_name(s)
+    assert plan.transfers == len(s.sends) == oracles.sends(name, s.stages, s.microbatches, s.chunks)
+    assert plan.permutes == oracles.lockstep_permutes(dataclasses.replace(s, name=name))
+    assert {k: set(v) for k, v in plan.pairs.items()} == oracles.channel_pairs(name, s.stages, s.chunks)
+    assert plan.n_res == max(s.peak_in_flight)
+
+
+# ---- the runtime runs them exactly ----------------------------------------------------------------
+
+ROWS_PER_MB = 2
+WIDTH = 32   # verify.model's MLP width
+
+
+@functools.cache
+def _compare(case, dtype=jnp.float32) -> dict:
+    """Run the searched schedule (one MLP layer per stage, NaN in every bubble) and the
+    unsharded model: errors, tolerance, and the compiled collectives next to the formula's
+    and the oracle's."""
+    s = searched(*case)
+    stage_fn, params, batch = verify.model("mlp", s.virtual_stages, ROWS_PER_MB * s.microbatches, dtype)
+    mesh = mesh_lib.make_mesh(pp=s.stages, devices=jax.devices()[:s.stages])
+    pipe = runtime.pipeline(s, stage_fn, params, batch, mesh=mesh, bubble_fill=math.nan)
+    compiled = pipe.step.lower(runtime.to_stages(params, s), *batch, None, None).compile()
+    loss, grads = runtime.run_pipeline(pipe._replace(step=compiled), params, batch)
+    ref_loss, ref = stage.unsharded(stage_fn, params, batch)
+    errors, rule, within = compare_trees({"loss": loss, "inputs": grads.inputs, "params": grads.params},
+                                         {"loss": ref_loss, "inputs": ref.inputs, "params": ref.params})
+    n = oracles.lockstep_permutes(dataclasses.replace(s, name=oracle_name(s)))
+    oracle = {"collective-permute": (n, n * ROWS_PER_MB * WIDTH * jnp.dtype(dtype).itemsize)} if n else {}
+    return dict(errors=errors, tolerance=rule, within=within, measured=compiled_collectives(compiled, pipe.plan.runs()),
+                formula=verify.expected_collectives(pipe, params, batch), oracle=oracle)
+
+
+def assert_exact(c: dict) -> None:
+    assert all(math.isfinite(e) for e in c["errors"].values()), c
+    assert c["within"], c
+    assert c["measured"] == c["formula"] == c["oracle"], c
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=case_id(c)) for c in CASES])
+def test_searched_schedule_runs_exactly(case):
+    assert_exact(_compare(case))
+
+
+def test_searched_schedule_runs_exactly_in_float64(x64):
+    c = _compare(CASES[4], jnp.float64)
+    assert_exact(c)
+    assert c["tolerance"] == (1e-12, 1e-12)
+
+
+# ---- compiled memory tracks the searched peak ---------------------------------------------------
+
+MEMORY_P, MEMORY_M, MICROBATCH_SIZE, SEQ_LEN = 2, 4, 2, 64
+MEMORY_CFG = reference.ModelConfig(**{**vars(memory_verify.CFG), "n_layers": 2 * MEMORY_P})
+
+
+def memory_schedule(name: str, m: int, cap: float | None = None) -> schedule.Schedule:
+    """GPipe ("gpipe") or the searched schedule ("searched", under `cap`) at p = MEMORY_P."""
+    if name == "searched":
+        return searched(MEMORY_P, m, 1, "loop", UNIT, cap)
+    return schedule.make(name, stages=MEMORY_P, microbatches=m)
+
+
+@functools.cache
+def compiled_temp(name: str, m: int, cap: float | None = None) -> int:
+    """Compiled temp bytes per device of the runtime's step for memory_schedule(name, m,
+    cap), with two tagged transformer blocks per stage (the memory model's storage, as
+    jaxpar.memory.verify measures the named schedules)."""
+    s = memory_schedule(name, m, cap)
+    cfg = MEMORY_CFG
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                          reference.init_params(jax.random.key(0), cfg)["blocks"])
+    layer = jax.checkpoint(functools.partial(memory_verify.tagged_block, cfg=cfg),
+                           policy=jax.checkpoint_policies.save_only_these_names(*memory_verify.SAVED["none"]))
+    x = jax.ShapeDtypeStruct((MICROBATCH_SIZE * m, SEQ_LEN, cfg.d_model), jnp.float32)
+    mesh = mesh_lib.make_mesh(pp=MEMORY_P, devices=jax.devices()[:MEMORY_P])
+    pipe = runtime.pipeline(s, runtime.layers(layer), params, (x, x), mesh=mesh, input_grads=False)
+
+    def staged(layers):
+        return runtime.to_stages(layers, s)
+    lowered = pipe.step.lower(jax.eval_shape(staged, params), x, x, None, None)
+    return lowered.compile().memory_analysis().temp_size_in_bytes
+
+
+def one_more_in_flight() -> float:
+    """Bytes of one more microbatch in flight: GPipe at 2m against GPipe at m, over m."""
+    return (compiled_temp("gpipe", 2 * MEMORY_M) - compiled_temp("gpipe", MEMORY_M)) / MEMORY_M
+
+
+def held_in_flight(cap: float) -> float:
+    """Microbatches the compiled step of the searched schedule holds, measured as
+    check_pipeline_memory does for the named ones: m minus what it saves against GPipe at
+    m, in units of one more in flight, after its output-gradient buffer for W (one per
+    residual slot and one more, each two layers' output) is taken out."""
+    act = MICROBATCH_SIZE * SEQ_LEN * MEMORY_CFG.d_model * 4
+    kept = (plan_lib.plan(memory_schedule("searched", MEMORY_M, cap)).n_res + 1) * 2 * act
+    saved = compiled_temp("gpipe", MEMORY_M) - (compiled_temp("searched", MEMORY_M, cap) - kept)
+    return MEMORY_M - saved / one_more_in_flight()
+
+
+def test_one_more_in_flight_costs_what_the_model_says():
+    """The reference the next test measures with: GPipe at m and 2m differ by m times two
+    layers' activations and the waiting output gradient (the memory model's bytes)."""
+    model = (2 * activations.layer_bytes(memory_verify.block_of(MEMORY_CFG), seq_len=SEQ_LEN,
+                                         batch_size=MICROBATCH_SIZE)
+             + MICROBATCH_SIZE * SEQ_LEN * MEMORY_CFG.d_model * 4)
+    assert one_more_in_flight() == pytest.approx(model, rel=0.10)
+
+
+@pytest.mark.parametrize("cap", [MEMORY_P, 2 * MEMORY_P])
+def test_compiled_memory_tracks_the_searched_peak(cap):
+    peak = max(memory_schedule("searched", MEMORY_M, cap).peak_in_flight)
+    assert held_in_flight(cap) == pytest.approx(peak, rel=0.10)
+
+
+def test_a_looser_cap_keeps_more_in_flight():
+    """The two caps above give different peaks, so the memory check tells them apart."""
+    tight, loose = (max(memory_schedule("searched", MEMORY_M, cap).peak_in_flight)
+                    for cap in (MEMORY_P, 2 * MEMORY_P))
+    assert tight <= MEMORY_P < loose

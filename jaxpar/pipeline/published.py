@@ -14,10 +14,11 @@ Parallelism", ICLR 2024 (arXiv 2401.10241):
               cost, with cost "the largest execution time of all stages" (section 5.3).
 
 `timing.timed(schedule.make(name, p, m), profiled_costs(model, m))` gives the 1F1B, ZB-H1
-and ZB-H2 columns to all four published decimals in every row (`reproduced`). The 1F1B-I
-column needs as many chunks as layers per stage, with uneven layer counts (the first and
-last stage hold one layer fewer), and ZB-1p / ZB-2p are searched schedules: the table
-keeps them as reference figures only.
+and ZB-H2 columns to all four published decimals in every row (`reproduced`). ZB-1p and
+ZB-2p are searched schedules: `searched` runs jaxpar's own search (`search.search`) under
+the same memory limits, p M_B and 2p M_B, with M_W / M_B from Table 1 for each model.
+The 1F1B-I column needs as many chunks as layers per stage, with uneven layer counts (the
+first and last stage hold one layer fewer): the table keeps it as a reference figure only.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import NamedTuple
 
 from jaxpar.errors import ConfigError
 from jaxpar.pipeline import schedule as schedule_lib
+from jaxpar.pipeline import search as search_lib
 from jaxpar.pipeline.timing import Costs, timed
 
 CITATION = 'Qi et al. 2023, "Zero Bubble Pipeline Parallelism", ICLR 2024, arXiv 2401.10241'
@@ -104,6 +106,8 @@ BUBBLES: dict[tuple[str, int], Bubbles] = {
 
 # Table 5's columns that jaxpar's named schedules reproduce: column -> schedule name.
 REPRODUCED = {"one_f_one_b": "1f1b", "zb_h1": "zb-h1", "zb_h2": "zb-h2"}
+# Table 5's searched columns: column -> the memory limit, in M_B per stage (p M_B, 2p M_B).
+SEARCHED = {"zb_1p": 1, "zb_2p": 2}
 # The columns as the paper heads them.
 LABELS = {"one_f_one_b": "1F1B", "interleaved": "1F1B-I", "zb_h1": "ZB-H1", "zb_h2": "ZB-H2",
           "zb_1p": "ZB-1p", "zb_2p": "ZB-2p"}
@@ -136,14 +140,24 @@ def reproduced(model: str, microbatches: int) -> dict[str, float]:
             for column, name in REPRODUCED.items()}
 
 
-def table() -> list[dict]:
-    """Every Table 5 row: model, p, m, the published rates, and ours where reproduced."""
+def searched(model: str, microbatches: int, *, time_limit: float = 1.0) -> dict[str, float]:
+    """The bubble rates of jaxpar's searched orders (`search.search`, seed 0) under Table 5's
+    memory limits p M_B (ZB-1p) and 2p M_B (ZB-2p) with Table 6's times:
+    {"zb_1p": ..., "zb_2p": ...}."""
+    costs = profiled_costs(model, microbatches)
+    p = MODELS[model].stages
+    return {column: search_lib.search(p, microbatches, costs, per_stage * p, time_limit=time_limit).timing.bubble
+            for column, per_stage in SEARCHED.items()}
+
+
+def table(*, search: bool = False, time_limit: float = 1.0) -> list[dict]:
+    """Every Table 5 row: model, p, m, the profiled times, the published rates, and ours
+    (the named orders timed; with `search`, also the searched ZB-1p and ZB-2p)."""
     rows = []
     for (model, m), published in BUBBLES.items():
-        ours = reproduced(model, m)
+        ours = dict(reproduced(model, m)) | (searched(model, m, time_limit=time_limit) if search else {})
         rows.append({"model": model, "stages": MODELS[model].stages, "microbatches": m,
-                     "profiled": PROFILED[model, m]._asdict(), "published": published._asdict(),
-                     "ours": dict(ours)})
+                     "profiled": PROFILED[model, m]._asdict(), "published": published._asdict(), "ours": ours})
     return rows
 
 

@@ -53,7 +53,7 @@ def test_published_table(capsys):
     assert main(["schedule", "--published"]) == 0
     out = capsys.readouterr().out
     assert "0.2431/0.2431" in out and "0.0257/0.0257" in out and " NO" not in out
-    assert out.count(" yes") == 12
+    assert out.count(" same") == 12 and "search --published" in out
     assert main(["schedule", "--published", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 12 and rows[0]["published"]["zb_2p"] == 0.0433

@@ -9,7 +9,8 @@ as searched:
 * its plan carries exactly the table's sends, in the permutes and between the device pairs
   the oracles read off the placement (tests/oracles.py), and the compiled step runs those
   collective-permutes; the plan keeps as many residual slots as the table's peak in flight,
-  and the search kept its memory under the cap;
+  and the search kept its memory under the cap; its table goes to torch's CSV format and
+  back unchanged;
 * the compiled temp memory tracks the searched peak: with transformer blocks as stages
   (jaxpar.memory.verify's tagged blocks), the microbatches the compiled step holds equal
   the searched schedule's peak in flight at a tight cap and a loose one (within 10%, as
@@ -32,7 +33,7 @@ from jaxpar import reference
 from jaxpar.memory import activations
 from jaxpar.memory import verify as memory_verify
 from jaxpar.pipeline import plan as plan_lib
-from jaxpar.pipeline import runtime, schedule, search, stage, verify
+from jaxpar.pipeline import interchange, runtime, schedule, search, stage, verify
 from jaxpar.pipeline.timing import Costs
 from jaxpar.testing import compare as compare_trees, compiled_collectives
 from tests import oracles
@@ -84,6 +85,14 @@ def test_searched_plan_carries_its_sends_in_peak_slots(case):
     assert plan.permutes == oracles.lockstep_permutes(dataclasses.replace(s, name=name))
     assert {k: set(v) for k, v in plan.pairs.items()} == oracles.channel_pairs(name, s.stages, s.chunks)
     assert plan.n_res == max(s.peak_in_flight)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=case_id(c)) for c in CASES])
+def test_searched_schedule_goes_to_torch_and_back(case):
+    """Its table in torch.pipelining's CSV format reads back as the same table."""
+    s = searched(*case)
+    back = interchange.from_csv(interchange.to_csv(s), costs=s.costs)
+    assert (back.actions, back.placement, back.chunks) == (s.actions, s.placement, s.chunks)
 
 
 # ---- the runtime runs them exactly ----------------------------------------------------------------

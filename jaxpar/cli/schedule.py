@@ -32,9 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import textwrap
-
 import re
+import textwrap
 
 from jaxpar.cli.flags import translate
 from jaxpar.errors import ConfigError

@@ -3,8 +3,10 @@ the layers over the stages, and the stage functions of the lecture with the unsh
 model they are checked against (the checks a request passes: `request.py`).
 
 `params` is a pytree whose leaves stack the model's L layers on a leading axis; stage k
-of the S = p*v model stages holds layers [k*L/S, (k+1)*L/S), and `stage_fn(stage_params,
-x) -> y` runs them (`layers(layer_fn)` builds one from a per-layer function; y has x's
+of the S = p*v model stages holds layers [k*L/S, (k+1)*L/S) (uneven stages,
+`layers_per_stage=(1, 2, 2, 1)`: the next layers_per_stage[k] layers, every stage laid
+out as the largest count, the padding after its layers: `to_stages`), and
+`stage_fn(stage_params, x) -> y` runs them (`layers(layer_fn)` builds one from a per-layer function; y has x's
 shape). `loss_fn(y, targets) -> scalar` is a mean over the microbatch, so that the mean
 over microbatches (and dp shards) is the whole batch's loss.
 

@@ -21,6 +21,10 @@ microbatch_size, recompute) with tp*pp*dp*cp = GPUs is estimated (`evaluate`):
   CP        the ring's K/V blocks (reported; the ring hides them behind attention);
   DP        the gradient all-reduce (reduce-scatter + all-gather with ZeRO), once a step.
   step      (compute + TP + EP + PP) / (1 - bubble) + DP: no overlap, a rough model.
+  uneven    with `Candidate.layers_per_stage`, per-stage costs (layers, the LM head on the
+            last: `head_cost`): the busiest device sets the step and the bubble
+            (`pipeline_span`), each device's memory counts its own layers; `balanced_split`
+            and `propose_split` give the split that makes the slowest stage fastest.
 
 Rejected: a tp that splits neither heads nor KV heads, a pp larger than the layers, a
 batch that does not split into dp x microbatch_size sequences, m < p, the sizes the schedule

@@ -156,19 +156,26 @@ def check_memory(batch_size: int = 2, seq_len: int = 256, cases=CASES) -> list[R
     return out
 
 
-def _pipeline_temp(name: str, p: int, m: int, *, cfg, microbatch_size: int, seq_len: int) -> tuple[int, object]:
-    """Compiled temp bytes per device of the runtime's step for `name`, with tagged blocks
-    as the stage's layers (the model's storage), and the plan."""
+def schedule_temp(s: schedule_lib.Schedule, *, cfg, microbatch_size: int, seq_len: int) -> tuple[int, object]:
+    """Compiled temp bytes per device of the runtime's step for schedule `s`, with tagged
+    blocks as the stage's layers (the model's storage), and the plan."""
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                           reference.init_params(jax.random.key(0), cfg)["blocks"])
     layer = jax.checkpoint(functools.partial(tagged_block, cfg=cfg),
                            policy=jax.checkpoint_policies.save_only_these_names(*SAVED["none"]))
-    s = schedule_lib.make(name, stages=p, microbatches=m)
-    x = jax.ShapeDtypeStruct((microbatch_size * m, seq_len, cfg.d_model), jnp.float32)
+    x = jax.ShapeDtypeStruct((microbatch_size * s.microbatches, seq_len, cfg.d_model), jnp.float32)
     pipe = runtime.pipeline(s, runtime.layers(layer), params, (x, x), mesh=mesh_lib.make_mesh(
-        pp=p, devices=jax.devices()[:p]), input_grads=False)
+        pp=s.stages, devices=jax.devices()[:s.stages]), input_grads=False)
     staged = jax.eval_shape(lambda q: runtime.to_stages(q, s), params)
     return pipe.step.lower(staged, x, x, None, None).compile().memory_analysis().temp_size_in_bytes, pipe.plan
+
+
+@functools.cache
+def named_schedule_temp(name: str, p: int, m: int, *, cfg, microbatch_size: int, seq_len: int) -> tuple[int, object]:
+    """schedule_temp of the named schedule (schedule.make(name, p, m)), compiled once per
+    process: the in-flight checks of the named and of searched schedules share GPipe's."""
+    return schedule_temp(schedule_lib.make(name, stages=p, microbatches=m), cfg=cfg,
+                         microbatch_size=microbatch_size, seq_len=seq_len)
 
 
 def check_pipeline_memory(p: int = 2, m: int = 8, microbatch_size: int = 2, seq_len: int = 128) -> list[Result]:
@@ -182,7 +189,7 @@ def check_pipeline_memory(p: int = 2, m: int = 8, microbatch_size: int = 2, seq_
         return []
     cfg = reference.ModelConfig(**{**vars(CFG), "n_layers": 2 * p})
     start = time.perf_counter()
-    temp = lambda name, mm: _pipeline_temp(name, p, mm, cfg=cfg, microbatch_size=microbatch_size, seq_len=seq_len)
+    temp = lambda name, mm: named_schedule_temp(name, p, mm, cfg=cfg, microbatch_size=microbatch_size, seq_len=seq_len)
     (g1, _), (g2, _) = temp("gpipe", m), temp("gpipe", 2 * m)
     per = (g2 - g1) / m
     model = (2 * A.layer_bytes(block_of(cfg), seq_len=seq_len, batch_size=microbatch_size)

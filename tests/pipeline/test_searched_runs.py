@@ -151,25 +151,21 @@ def memory_schedule(name: str, m: int, cap: float | None = None) -> schedule.Sch
     return schedule.make(name, stages=MEMORY_P, microbatches=m)
 
 
-@functools.cache
 def compiled_temp(name: str, m: int, cap: float | None = None) -> int:
     """Compiled temp bytes per device of the runtime's step for memory_schedule(name, m,
-    cap), with two tagged transformer blocks per stage (the memory model's storage, as
-    jaxpar.memory.verify measures the named schedules)."""
-    s = memory_schedule(name, m, cap)
-    cfg = MEMORY_CFG
-    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                          reference.init_params(jax.random.key(0), cfg)["blocks"])
-    layer = jax.checkpoint(functools.partial(memory_verify.tagged_block, cfg=cfg),
-                           policy=jax.checkpoint_policies.save_only_these_names(*memory_verify.SAVED["none"]))
-    x = jax.ShapeDtypeStruct((MICROBATCH_SIZE * m, SEQ_LEN, cfg.d_model), jnp.float32)
-    mesh = mesh_lib.make_mesh(pp=MEMORY_P, devices=jax.devices()[:MEMORY_P])
-    pipe = runtime.pipeline(s, runtime.layers(layer), params, (x, x), mesh=mesh, input_grads=False)
+    cap), with two tagged transformer blocks per stage (the memory model's storage), measured
+    as jaxpar.memory.verify measures the named schedules; GPipe's compiles are the ones its
+    check compiles (the same configuration, cached per process)."""
+    if name == "searched":
+        return _searched_temp(m, cap)
+    return memory_verify.named_schedule_temp(name, MEMORY_P, m, cfg=MEMORY_CFG, microbatch_size=MICROBATCH_SIZE,
+                                             seq_len=SEQ_LEN)[0]
 
-    def staged(layers):
-        return runtime.to_stages(layers, s)
-    lowered = pipe.step.lower(jax.eval_shape(staged, params), x, x, None, None)
-    return lowered.compile().memory_analysis().temp_size_in_bytes
+
+@functools.cache
+def _searched_temp(m: int, cap: float) -> int:
+    s = memory_schedule("searched", m, cap)
+    return memory_verify.schedule_temp(s, cfg=MEMORY_CFG, microbatch_size=MICROBATCH_SIZE, seq_len=SEQ_LEN)[0]
 
 
 def one_more_in_flight() -> float:

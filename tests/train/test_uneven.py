@@ -3,7 +3,8 @@
 * parity with the unsharded model, step by step (losses, gradient norms, final weights,
   `verify.parity`, which also checks every collective of the compiled step against the
   formulas, the layer collectives counted per real layer): pp4 with stages of 1, 2, 2
-  and 1 layers, and dp2 x pp2 x tp2 with ZeRO-1 and stages of 1 and 3 layers;
+  and 1 layers, dp2 x pp2 x tp2 with ZeRO-1 and stages of 1 and 3 layers, and pp2 x tp2
+  interleaved with two chunks of 1 and 3 layers on each device;
 * the state's padding: the padded layers stay zero and `canonical` returns [L, ...];
 * what uneven stages are refused with (ZeRO-3, recompute with collectives inside the
   stages, pp=1) and counts that do not fit, each a ConfigError naming the fix.
@@ -26,7 +27,11 @@ SIX = dataclasses.replace(verify.DENSE, n_layers=6)
 @pytest.mark.parametrize("spec, cfg", [
     (ParallelSpec(pp=4, microbatches=4, layers_per_stage=(1, 2, 2, 1)), SIX),
     (ParallelSpec(dp=2, pp=2, tp=2, microbatches=2, zero=1, layers_per_stage=(1, 3)), verify.DENSE),
-], ids=["pp4-1221", "dp2-pp2-tp2-zero1-13"])
+    # chunks: device 0 holds stages 0 (1 layer) and 2 (3), device 1 stages 1 (3) and 3 (1); the
+    # TP collectives inside the layers counted per chunk
+    (ParallelSpec(pp=2, tp=2, schedule="interleaved", chunks=2, microbatches=2, layers_per_stage=(1, 3, 3, 1)),
+     dataclasses.replace(verify.DENSE, n_layers=8)),
+], ids=["pp4-1221", "dp2-pp2-tp2-zero1-13", "pp2-tp2-interleaved-1331"])
 def test_uneven_stages_train_like_the_unsharded_model(spec, cfg):
     r = verify.parity(spec, cfg, steps=3)
     assert r.passed, (r.errors, r.measured, r.expected)

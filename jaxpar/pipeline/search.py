@@ -627,14 +627,22 @@ def _better(found: tuple[float, float], score: tuple[float, float]) -> bool:
 
 def _local_search(problem: _Problem, programs: list[list[int]], score: tuple[float, float],
                   budget: _Budget, rng: random.Random) -> tuple[list[list[int]], tuple[float, float]]:
-    """Move one action of one device's order at a time (half the moves on the device with
-    the longest span), up to 2 p v places; keep a move when the step time (then the sum of
-    spans) does not grow, the device's own F-B-W order holds and it stays under the cap."""
+    """Simulated annealing over single moves: one action of one device's order (half the
+    moves on the device with the longest span) goes up to 2 p v places away, if its own
+    F-B-W order holds and the device stays under the cap. A move that does not lengthen the
+    step time (then the sum of spans) is kept; a longer one with probability
+    exp(-increase / temperature), the temperature falling from 3% of the step time to 0 as
+    the budget runs out. Returns the best orders seen."""
     programs = [list(program) for program in programs]
+    best, best_score = [list(program) for program in programs], score
     p = problem.stages
     reach = max(2, 2 * p * problem.chunks)
     spans = _spans(problem, programs)
+    moves = max(1.0, budget.left / len(problem.duration))
+    made = 0
     while budget.take(len(problem.duration)):
+        made += 1
+        temperature = 0.03 * best_score[0] * max(0.0, 1 - made / moves)
         critical = max(range(p), key=spans.__getitem__)
         d = critical if rng.random() < 0.5 else rng.randrange(p)
         program = programs[d]
@@ -648,13 +656,17 @@ def _local_search(problem: _Problem, programs: list[list[int]], score: tuple[flo
         program.insert(target, node)
         if _same_device_order_kept(problem, program, target) and _fits(problem, program):
             moved = _spans(problem, programs)
-            found = None if moved is None else (max(moved), math.fsum(moved))
-            if found is not None and _better(found, score):
-                score, spans = found, moved
-                continue
+            if moved is not None:
+                found = (max(moved), math.fsum(moved))
+                if _better(found, score) or (temperature > 0 and
+                                             rng.random() < math.exp((score[0] - found[0]) / temperature)):
+                    score, spans = found, moved
+                    if _better(found, best_score):
+                        best, best_score = [list(program) for program in programs], found
+                    continue
         program.pop(target)
         program.insert(source, node)
-    return programs, score
+    return best, best_score
 
 
 # ---- the search ------------------------------------------------------------------------

@@ -141,6 +141,83 @@ def test_searched_is_a_schedule_the_runtime_runs_in_its_order():
     assert report["memory_cap"] == 4 and report["bubble"] == found.timing.bubble
 
 
+# ---- an independent oracle: the exact optimum of a mixed-integer program ----------------------
+
+def _optimal_cost(problem) -> float:
+    """Qi et al.'s integer program (section 3.2), solved by HiGHS (scipy.optimize.milp): end
+    time E[x] of every action, a binary for the order of every pair of actions on a device
+    whose order is not implied (each kind runs its microbatches in order, as in their
+    graph), the live memory at every F's start under the cap, minimise the longest span."""
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import lil_matrix
+
+    n_nodes, duration = len(problem.duration), problem.duration
+    devices = [[x for x in range(n_nodes) if problem.device[x] == d] for d in range(problem.stages)]
+
+    def implied(a, b) -> bool:   # a runs before b on their device whatever the order
+        (ka, sa, ia), (kb, sb, ib) = problem.action(a), problem.action(b)
+        if sa == sb:
+            return (ka == kb and ia < ib) or (ka <= kb and ia <= ib and (ka, ia) != (kb, ib))
+        return ia == ib and ka == kb and (sa < sb if ka == search.F else sa > sb and ka == search.B)
+
+    free_pairs = [(a, b) for nodes in devices for i, a in enumerate(nodes) for b in nodes[i + 1:]
+                  if not implied(a, b) and not implied(b, a)]
+    span, order = n_nodes, {pair: n_nodes + 1 + k for k, pair in enumerate(free_pairs)}
+    big = 2 * sum(duration) + 10
+    rows: list[tuple[dict, float, float]] = []
+    for x in range(n_nodes):
+        rows += [({x: 1, source: -1}, delay + duration[x], np.inf) for source, delay in problem.inputs[x]]
+    for nodes in devices:
+        rows += [({b: 1, a: -1}, duration[b], np.inf) for a in nodes for b in nodes if a != b and implied(a, b)]
+    for (a, b), var in order.items():   # var = 1: a before b
+        rows += [({b: 1, a: -1, var: -big}, duration[b] - big, np.inf), ({a: 1, b: -1, var: big}, duration[a], np.inf)]
+    for nodes in devices:
+        for f in (x for x in nodes if problem.action(x)[0] == search.F):
+            coefficients, live = {}, problem.memory[f]
+            for x in (x for x in nodes if x != f and not implied(f, x)):
+                if implied(x, f):
+                    live += problem.memory[x]
+                elif (x, f) in order:
+                    coefficients[order[x, f]] = problem.memory[x]
+                else:   # var = 1 puts f first
+                    live += problem.memory[x]
+                    coefficients[order[f, x]] = -problem.memory[x]
+            rows.append((coefficients, -np.inf, problem.cap + 1e-9 - live))
+        first = problem.node(search.F, min(problem.stage_of[problem.device[nodes[0]]]), 0)
+        for stage in problem.stage_of[problem.device[nodes[0]]]:
+            rows.append(({span: 1, problem.node(search.W, stage, problem.microbatches - 1): -1, first: 1},
+                         duration[first], np.inf))
+    matrix = lil_matrix((len(rows), n_nodes + 1 + len(order)))
+    for r, (coefficients, _, _) in enumerate(rows):
+        for column, value in coefficients.items():
+            matrix[r, column] = value
+    objective = np.zeros(matrix.shape[1])
+    objective[span] = 1
+    integrality = np.r_[np.zeros(n_nodes + 1), np.ones(len(order))]
+    upper = np.r_[np.full(n_nodes + 1, np.inf), np.ones(len(order))]
+    result = milp(objective, constraints=LinearConstraint(matrix.tocsr(), [r[1] for r in rows], [r[2] for r in rows]),
+                  integrality=integrality, bounds=Bounds(np.zeros(matrix.shape[1]), upper))
+    assert result.status == 0, result.message
+    return result.fun
+
+
+SMALL = [(2, 3, 1, "loop", 1.0), (2, 3, 1, "loop", 2.0), (2, 4, 1, "loop", 4.0), (3, 3, 1, "loop", 1.5),
+         (3, 4, 1, "loop", 2.0), (3, 4, 1, "loop", 3.0), (2, 2, 2, "loop", 1.5), (2, 2, 2, "v", 1.0)]
+
+
+@pytest.mark.parametrize("p,m,chunks,placement,cap", SMALL)
+def test_small_problems_reach_the_proven_optimum(p, m, chunks, placement, cap):
+    """Where HiGHS proves the optimum within a second (p m v <= 12), the search finds it:
+    its step time equals the integer program's (over orders that keep each kind's
+    microbatches in order; the search is not held to that, so it could only do better)."""
+    costs = Costs(F=(1.0, 2.0, 1.5, 1.0)[:p * chunks], B=(2.0, 3.0, 2.5, 2.0)[:p * chunks],
+                  W=(0.5, 1.0, 1.0, 0.5)[:p * chunks], comm=0.1, weight_memory=0.5)
+    found = _checked(search.search(p, m, costs, cap, chunks=chunks, placement=placement), costs, cap)
+    problem = search._problem(p, m, chunks, placement, costs, cap)
+    assert found.timing.cost == pytest.approx(_optimal_cost(problem), abs=1e-6)
+
+
 # ---- refusals -----------------------------------------------------------------------------------
 
 def test_impossible_cap_names_the_smallest_feasible_one():

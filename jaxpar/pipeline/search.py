@@ -103,6 +103,7 @@ class _Problem:
     memory: tuple[float, ...]
     inputs: tuple[tuple[tuple[int, float], ...], ...]
     stage_of: tuple[tuple[int, ...], ...]   # [device][chunk] -> model stage
+    comm: float = 0.0
 
     @property
     def model_stages(self) -> int:
@@ -144,7 +145,8 @@ def _problem(p: int, m: int, v: int, placement: str, costs: Costs, cap: float) -
                 inputs.append(tuple(((k * total + s) * m + i,
                                      costs.comm if device_of[s] != device_of[stage] else 0.0) for k, s in needs))
     stage_of = tuple(tuple(shape.stage_of(d, c) for c in range(v)) for d in range(p))
-    return _Problem(p, m, v, placement, cap, tuple(device), tuple(duration), tuple(memory), tuple(inputs), stage_of)
+    return _Problem(p, m, v, placement, cap, tuple(device), tuple(duration), tuple(memory), tuple(inputs), stage_of,
+                    costs.comm)
 
 
 def minimum_cap(stages: int, chunks: int, costs: Costs, placement: str = "loop") -> float:
@@ -277,8 +279,8 @@ def _repeated_block(problem: _Problem) -> list[list[int]] | None:
     """Every microbatch runs the same block of actions, the next one `interval` later
     (Qi et al. 2024's building blocks; modulo scheduling): one microbatch's actions are
     placed in dependency order, each as early as its inputs allow where its device is
-    free at that time modulo the interval, its W right after its B where it fits. The
-    interval starts at the busiest device's work for one microbatch and grows until the
+    free at that time modulo the interval, the F's and B's first, then each W at the first
+    room after its B. The interval starts at the busiest device's work for one microbatch and grows until the
     block fits. Each microbatch's activations live only as long as its block, so this
     is the order of least memory (V-Min's, at v = 2); None if no interval up to twice the
     work fits."""
@@ -367,17 +369,16 @@ class _Policy:
     warmup       before its first B, a device runs F's as memory allows ("memory"), or
                  only those that start ("start") or end ("end") before its first B would
                  arrive if no device were ever busy (Qi et al.'s warm-up).
-    hold         keep W's back for the drain: device d runs a W to fill a gap only when
-                 more than `_held_for_drain(d)` are pending (enough to fill the time by
-                 which its last B precedes the end of a parallelogram: d (F + B + 2 comm)),
-                 and otherwise only when memory needs it or nothing else is left."""
+    hold         keep W's back for the drain: once at most h = `_held_for_drain(d)` F's
+                 are left, device d runs a W to fill a gap only when more than h are
+                 pending, when memory needs it or when no B is left (h W's fill the time
+                 by which its last B precedes the end of a parallelogram, d (F + B + 2 comm))."""
 
     deep_first: bool = True
     fill: str = "fit"
     patient: bool = False
     warmup: str = "memory"
     hold: bool = False
-
 
     @property
     def name(self) -> str:
@@ -578,11 +579,10 @@ def _held_for_drain(problem: _Problem, device: int) -> int:
     def mean(kind: int) -> float:
         return math.fsum(problem.duration[problem.node(kind, stage, 0)] for stage in problem.stage_of[device]) \
             / problem.chunks
-    comm = max((delay for _, delay in problem.inputs[problem.node(F, problem.model_stages - 1, 0)]), default=0.0)
     weight = mean(W)
     if weight <= 0:
         return 0
-    return int(device * (mean(F) + mean(B) + 2 * comm) / weight)
+    return int(device * (mean(F) + mean(B) + 2 * problem.comm) / weight)
 
 
 def _greedy_seeds(problem: _Problem, budget: _Budget) -> dict[str, list[list[int]]]:

@@ -7,7 +7,8 @@ dense or an MoE of 4-8 experts with top-1 or top-2, a softmax or sigmoid router,
 without the balance loss and DeepSeek-V3's selection bias), a `ParallelSpec` over at most 8
 devices (dp, pp, tp, cp, ep of any size whose product is <= 8, odd sizes included; every
 registered schedule with microbatches and chunks it accepts; SP, recompute, ZeRO 0-3
-where the spec accepts it, ring or Ulysses, both token layouts) and a batch and a sequence length, built to satisfy the
+where the spec accepts it, ring or Ulysses, both token layouts, even or uneven layers per
+stage) and a batch and a sequence length, built to satisfy the
 divisibility rules and then filtered by `problems()` itself, so whatever it accepts may
 be drawn. A family pins one axis above 1 so that a few examples cover every technique.
 """
@@ -88,6 +89,18 @@ def configurations(draw, family: str = "any") -> Drawn:
     zero = draw(st.sampled_from([0, 1, 2] if recompute or split else [0, 1, 2, 3]))
     spec = ParallelSpec(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, schedule=name, chunks=chunks, microbatches=m,
                         sequence_parallel=sp, recompute=recompute, zero=zero, attention=attention, layout=layout)
+    stages = pp * spec.resolved_chunks        # deeper stacks add compile time, not coverage: <= 2 layers a stage
+    # uneven stages where the spec takes them (not ZeRO-3, not recompute with tp, cp or ep
+    # above 1): each stage 1 or 2 layers, at least one of each; past 4 stages one stage of 2
+    layer_counts = None
+    if pp > 1 and zero != 3 and not (recompute and tp * cp * ep > 1) and draw(st.booleans()):
+        if stages <= 4:
+            layer_counts = tuple(draw(st.lists(st.sampled_from([1, 2]), min_size=stages, max_size=stages)
+                                      .filter(lambda counts: len(set(counts)) == 2)))
+        else:
+            heavy = draw(st.integers(0, stages - 1))
+            layer_counts = tuple(2 if k == heavy else 1 for k in range(stages))
+        spec = dataclasses.replace(spec, layers_per_stage=layer_counts)
 
     # the model: sized to the mesh, so that most draws satisfy the rules by construction
     per_tp = draw(st.sampled_from([1, 2])) * (cp if attention == "ulysses" else 1)
@@ -104,9 +117,10 @@ def configurations(draw, family: str = "any") -> Drawn:
         renormalize = router == "sigmoid" or draw(st.booleans())
         balance = dict(router=router, aux_loss=draw(st.sampled_from([0.0, 0.01])),
                        bias_rate=draw(st.sampled_from([0.0, 1e-3])) if router == "sigmoid" else 0.0)
-    stages = pp * spec.resolved_chunks        # deeper stacks add compile time, not coverage: <= 2 layers a stage
+    n_layers = (sum(layer_counts) if layer_counts else stages * (draw(st.sampled_from([1, 2])) if stages <= 4 else 1)) if pp > 1 \
+        else draw(st.integers(1, 2))
     cfg = reference.ModelConfig(
-        n_layers=stages * (draw(st.sampled_from([1, 2])) if stages <= 4 else 1) if pp > 1 else draw(st.integers(1, 2)),
+        n_layers=n_layers,
         d_model=draw(st.sampled_from([8, 16])), n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
         d_ff=tp * draw(st.sampled_from([4, 8])), vocab=tp * draw(st.sampled_from([4, 8])) if tp > 2 else 16,
         mlp=draw(st.sampled_from(["gelu", "swiglu"])), n_experts=n_experts, top_k=top_k,

@@ -24,14 +24,12 @@ from jaxpar.train.step import Trainer
 SIX = dataclasses.replace(verify.DENSE, n_layers=6)
 
 
+# chunks, SP, MoE and the other schedules with uneven stages: tests/train/test_drawn.py draws them
+# (its pipeline family draws interleaved on pp3 x tp2 with SP, 1/1/2/1/1/1, among its five)
 @pytest.mark.parametrize("spec, cfg", [
     (ParallelSpec(pp=4, microbatches=4, layers_per_stage=(1, 2, 2, 1)), SIX),
     (ParallelSpec(dp=2, pp=2, tp=2, microbatches=2, zero=1, layers_per_stage=(1, 3)), verify.DENSE),
-    # chunks: device 0 holds stages 0 (1 layer) and 2 (3), device 1 stages 1 (3) and 3 (1); the
-    # TP collectives inside the layers counted per chunk
-    (ParallelSpec(pp=2, tp=2, schedule="interleaved", chunks=2, microbatches=2, layers_per_stage=(1, 3, 3, 1)),
-     dataclasses.replace(verify.DENSE, n_layers=8)),
-], ids=["pp4-1221", "dp2-pp2-tp2-zero1-13", "pp2-tp2-interleaved-1331"])
+], ids=["pp4-1221", "dp2-pp2-tp2-zero1-13"])
 def test_uneven_stages_train_like_the_unsharded_model(spec, cfg):
     r = verify.parity(spec, cfg, steps=3)
     assert r.passed, (r.errors, r.measured, r.expected)

@@ -343,6 +343,7 @@ def _free_at(busy: list[tuple[float, float]], ready: float, length: float, inter
 
 
 def _overlaps(busy: list[tuple[float, float]], t: float, length: float, interval: float) -> bool:
+    """True if [t, t + length) modulo `interval` meets an interval of `busy`."""
     if length <= 0:
         return False
     a = t % interval
@@ -351,6 +352,7 @@ def _overlaps(busy: list[tuple[float, float]], t: float, length: float, interval
 
 
 def _occupy(busy: list[tuple[float, float]], t: float, length: float, interval: float) -> None:
+    """Mark [t, t + length) modulo `interval` busy (two pieces when it wraps around)."""
     a = t % interval
     busy.append((a, min(a + length, interval)))
     if a + length > interval:
@@ -525,6 +527,8 @@ class _Greedy:
         return start + self.problem.duration[node] <= self.first_back[d] + TOLERANCE
 
     def _place(self, d: int, candidate, kind: int) -> int:
+        """Run `candidate` on device d as early as it can start, and wake the devices that
+        wait for its result."""
         _, ready, node, chunk = candidate
         problem = self.problem
         start = max(self.free[d], ready)
@@ -548,6 +552,8 @@ class _Greedy:
         return 1
 
     def _consumers(self, node: int) -> list[int]:
+        """The devices whose next action may wait for `node`'s result (F: the next stage's F,
+        B: the previous stage's B)."""
         found = self.consumers.get(node)
         if found is None:
             problem = self.problem

@@ -54,6 +54,10 @@ EXPECTED = {
                         (re.compile(r"^process [01]: 4 local of 8 devices, mesh dp=2 tp=4, max \|diff\| vs reference",
                                     re.M), 2),
                         "10 training steps: 2 processes = 1 device (reference_trainer)"],
+    "10_schedule_search.py": ["against 1F1B 0.2863 and ZB-H1 0.1950  ok", "smallest feasible cap is 1 M_B",
+                              (re.compile(r"^  cap \d M_B: bubble 0\.\d{4}, peak memory \d\.\d\d M_B", re.M), 2),
+                              (re.compile(r"^  .*: max \|pipeline - single device\| over loss, dx, all weights = "
+                                          r"\S+  ok$", re.M), 2)],
     "11_train_on_text.py": ["4 cpu devices", "validation tokens (uint16), vocab 512",
                             "from a fresh TokenData: the same tokens: ok",
                             (re.compile(r"^  step +\d+: training loss \d\.\d+ .*, validation loss \d\.\d+$", re.M), 3),

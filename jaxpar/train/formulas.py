@@ -143,10 +143,14 @@ def head(*, cfg, spec, batch_size: int, seq_len: int, dtype) -> Collectives:
         {"all-gather": (1, act), "reduce-scatter": (1, act), "all-reduce": (1, cfg.d_model * item)})
 
 
-def stage_collectives(*, cfg, spec, batch_size: int, seq_len: int, dtype, runs: dict[str, int]) -> Collectives:
+def stage_collectives(*, cfg, spec, batch_size: int, seq_len: int, dtype, runs: dict[str, int],
+                      depth: int | None = None) -> Collectives:
     """What one pp rank runs inside the pipeline's branches in one step, given `runs`
-    (Plan.lane_runs(rank): how many times it runs each branch)."""
-    depth = cfg.n_layers // (spec.pp * spec.resolved_chunks)
+    (Plan.lane_runs(rank): how many times it runs each branch) and `depth`, the layers of
+    the stage those branches run (default the even split, n_layers / (pp*chunks); uneven
+    stages give each chunk's own count)."""
+    if depth is None:
+        depth = cfg.n_layers // (spec.pp * spec.resolved_chunks)
     kw = dict(cfg=cfg, spec=spec, batch_size=batch_size, seq_len=seq_len, dtype=dtype)
     fwd, bwd = layer_collectives(**kw), layer_collectives(**kw, backward=True)
     total = _times(fwd, depth * runs["pipeline_F"]) + _times(bwd, depth * runs["pipeline_B"])

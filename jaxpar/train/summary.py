@@ -222,13 +222,12 @@ def expected_stage_collectives(trainer, device: int) -> comms.Collectives:
     kw = dict(spec=spec, batch_size=trainer.batch_size, seq_len=trainer.seq_len, dtype=trainer.dtype)
     if trainer.layers_per_stage is None:
         return train_formulas.stage_collectives(cfg=trainer.cfg, runs=plan.lane_runs(device), **kw)
-    # uneven stages: the formula chunk by chunk, each at its own layer count (the formula
-    # reads the count as n_layers / (pp*chunks)) and with the runs of that chunk's branches
+    # uneven stages: the formula chunk by chunk, each at its own layer count and with the
+    # runs of that chunk's branches
     out = comms.Collectives({})
     for c in range(spec.resolved_chunks):
         held = trainer.layers_per_stage[trainer.schedule.stage_of(device, c)]
-        cfg = dataclasses.replace(trainer.cfg, n_layers=held * spec.pp * spec.resolved_chunks)
-        out = out + train_formulas.stage_collectives(cfg=cfg, runs=plan.lane_runs(device, c), **kw)
+        out = out + train_formulas.stage_collectives(cfg=trainer.cfg, runs=plan.lane_runs(device, c), depth=held, **kw)
     return out
 
 

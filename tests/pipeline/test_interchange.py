@@ -14,22 +14,18 @@
 Each runtime case compiles one program (a few seconds), once per process (`_compare`).
 """
 
-import dataclasses
 import functools
-import math
 import pathlib
 import re
 
-import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxpar import mesh as mesh_lib
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import interchange, orders, runtime, schedule, stage, verify
+from jaxpar.pipeline import interchange, orders, schedule
 from jaxpar.pipeline.schedule import Action
-from jaxpar.testing import compare as compare_trees, compiled_collectives
 from tests import oracles
+from tests.pipeline import exact
 
 DATA = pathlib.Path(__file__).parent / "data" / "torch"
 
@@ -199,42 +195,10 @@ def test_torch_1f1b_table_is_refused_where_its_last_rank_is_off_by_one():
 
 # ---- imported torch schedules run exactly ------------------------------------------------------
 
-ROWS_PER_MB = 2
-WIDTH = 32   # verify.model's MLP width
-
-
-def oracle_permutes(s: schedule.Schedule, itemsize: int) -> dict:
-    """The collective-permutes of one step by the oracle (tests/oracles.py), which reads the
-    placement from a schedule's name: an imported schedule goes under the name of one with
-    its placement. Each permute carries one microbatch's activation."""
-    named = dataclasses.replace(s, name="dualpipe-v" if s.placement == "v" else "interleaved")
-    n = oracles.lockstep_permutes(named)
-    return {"collective-permute": (n, n * ROWS_PER_MB * WIDTH * itemsize)} if n else {}
-
-
 @functools.cache
 def _compare(stem: str, timing: str, dtype=jnp.float32) -> dict:
-    """Run the imported schedule (one layer per stage, NaN in every bubble) and the
-    unsharded model: errors, tolerance, and the compiled collectives next to the formula's
-    and the oracle's."""
-    s = interchange.from_csv(read(stem), name=stem, timing=timing)
-    stage_fn, params, batch = verify.model("mlp", s.virtual_stages, ROWS_PER_MB * s.microbatches, dtype)
-    mesh = mesh_lib.make_mesh(pp=s.stages, devices=jax.devices()[:s.stages])
-    pipe = runtime.pipeline(s, stage_fn, params, batch, mesh=mesh, bubble_fill=math.nan)
-    compiled = pipe.step.lower(runtime.to_stages(params, s), *batch, None, None).compile()
-    loss, grads = runtime.run_pipeline(pipe._replace(step=compiled), params, batch)
-    ref_loss, ref = stage.unsharded(stage_fn, params, batch)
-    errors, rule, within = compare_trees({"loss": loss, "inputs": grads.inputs, "params": grads.params},
-                                         {"loss": ref_loss, "inputs": ref.inputs, "params": ref.params})
-    return dict(errors=errors, tolerance=rule, within=within, measured=compiled_collectives(compiled, pipe.plan.runs()),
-                formula=verify.expected_collectives(pipe, params, batch),
-                oracle=oracle_permutes(s, jnp.dtype(dtype).itemsize))
-
-
-def assert_exact(c: dict) -> None:
-    assert all(math.isfinite(e) for e in c["errors"].values()), c
-    assert c["within"], c
-    assert c["measured"] == c["formula"] == c["oracle"], c
+    """The imported schedule run against the unsharded model (tests/pipeline/exact.py)."""
+    return exact.run(interchange.from_csv(read(stem), name=stem, timing=timing), dtype)
 
 
 # p=2 and p=4, both placements, split and whole backwards, both timings
@@ -244,13 +208,13 @@ RUNS = [("zbv_zero_bubble_p2_m4", "columns"), ("interleaved_1f1b_p2_m4", "column
 
 @pytest.mark.parametrize("stem,timing", RUNS)
 def test_imported_torch_schedule_runs_exactly(stem, timing):
-    assert_exact(_compare(stem, timing))
+    exact.assert_exact(_compare(stem, timing))
 
 
 @pytest.mark.parametrize("stem,timing", [("dualpipe_v_p2_m4", "order"), ("looped_bfs_p2_m4", "columns")])
 def test_imported_torch_schedule_runs_exactly_in_float64(x64, stem, timing):
     c = _compare(stem, timing, jnp.float64)
-    assert_exact(c)
+    exact.assert_exact(c)
     assert c["tolerance"] == (1e-12, 1e-12)
 
 

@@ -22,21 +22,18 @@ per process; the memory check compiles four programs (two GPipe references, two 
 
 import dataclasses
 import functools
-import math
 
-import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxpar import mesh as mesh_lib
 from jaxpar import reference
 from jaxpar.memory import activations
 from jaxpar.memory import verify as memory_verify
 from jaxpar.pipeline import plan as plan_lib
-from jaxpar.pipeline import interchange, runtime, schedule, search, stage, verify
+from jaxpar.pipeline import interchange, schedule, search
 from jaxpar.pipeline.timing import Costs
-from jaxpar.testing import compare as compare_trees, compiled_collectives
 from tests import oracles
+from tests.pipeline import exact
 
 UNIT = "F=1,B=1,W=1"
 UNEQUAL = "F=1,B=2,W=1,comm=0.5"          # a backward twice the forward, and a send's latency
@@ -97,44 +94,20 @@ def test_searched_schedule_goes_to_torch_and_back(case):
 
 # ---- the runtime runs them exactly ----------------------------------------------------------------
 
-ROWS_PER_MB = 2
-WIDTH = 32   # verify.model's MLP width
-
-
 @functools.cache
 def _compare(case, dtype=jnp.float32) -> dict:
-    """Run the searched schedule (one MLP layer per stage, NaN in every bubble) and the
-    unsharded model: errors, tolerance, and the compiled collectives next to the formula's
-    and the oracle's."""
-    s = searched(*case)
-    stage_fn, params, batch = verify.model("mlp", s.virtual_stages, ROWS_PER_MB * s.microbatches, dtype)
-    mesh = mesh_lib.make_mesh(pp=s.stages, devices=jax.devices()[:s.stages])
-    pipe = runtime.pipeline(s, stage_fn, params, batch, mesh=mesh, bubble_fill=math.nan)
-    compiled = pipe.step.lower(runtime.to_stages(params, s), *batch, None, None).compile()
-    loss, grads = runtime.run_pipeline(pipe._replace(step=compiled), params, batch)
-    ref_loss, ref = stage.unsharded(stage_fn, params, batch)
-    errors, rule, within = compare_trees({"loss": loss, "inputs": grads.inputs, "params": grads.params},
-                                         {"loss": ref_loss, "inputs": ref.inputs, "params": ref.params})
-    n = oracles.lockstep_permutes(dataclasses.replace(s, name=oracle_name(s)))
-    oracle = {"collective-permute": (n, n * ROWS_PER_MB * WIDTH * jnp.dtype(dtype).itemsize)} if n else {}
-    return dict(errors=errors, tolerance=rule, within=within, measured=compiled_collectives(compiled, pipe.plan.runs()),
-                formula=verify.expected_collectives(pipe, params, batch), oracle=oracle)
-
-
-def assert_exact(c: dict) -> None:
-    assert all(math.isfinite(e) for e in c["errors"].values()), c
-    assert c["within"], c
-    assert c["measured"] == c["formula"] == c["oracle"], c
+    """The searched schedule run against the unsharded model (tests/pipeline/exact.py)."""
+    return exact.run(searched(*case), dtype)
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=case_id(c)) for c in CASES])
 def test_searched_schedule_runs_exactly(case):
-    assert_exact(_compare(case))
+    exact.assert_exact(_compare(case))
 
 
 def test_searched_schedule_runs_exactly_in_float64(x64):
     c = _compare(CASES[4], jnp.float64)
-    assert_exact(c)
+    exact.assert_exact(c)
     assert c["tolerance"] == (1e-12, 1e-12)
 
 

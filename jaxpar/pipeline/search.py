@@ -14,6 +14,9 @@ backward split into B and W, with a small bubble:
             first takes a B whose input has arrived, else an F if memory allows (keeping
             room for the later chunks of the microbatches it started) and its warm-up
             wants it, else a W that fills the gap, holding some W's back for the drain;
+            one policy keeps the warm-up's microbatches in flight through the steady
+            state (1F1B's rule, the warm-up fitted to the costs: Qi et al.'s ZB-2p at
+            large m, where the first device's wait for its first B is the whole bubble);
   local     moves of one action of one device's order to another place (half of them on
             the device that sets the step time), kept when the step time does not grow
             and the device stays under the cap.
@@ -378,25 +381,34 @@ class _Policy:
     hold         keep W's back for the drain: once at most h = `_held_for_drain(d)` F's
                  are left, device d runs a W to fill a gap only when more than h are
                  pending, when memory needs it or when no B is left (h W's fill the time
-                 by which its last B precedes the end of a parallelogram, d (F + B + 2 comm))."""
+                 by which its last B precedes the end of a parallelogram, d (F + B + 2 comm)).
+    in_flight    after its first B, a device keeps at most as many microbatches in flight
+                 (F's run minus B's run) as it had when that B ran: the warm-up's depth
+                 kept through the steady state (1F1B's rule with a warm-up fitted to the
+                 costs), so no device runs F's ahead of the B's it will wait for: Qi et
+                 al.'s ZB-2p at large m, where the first device's wait for its first B
+                 is the whole bubble."""
 
     deep_first: bool = True
     fill: str = "fit"
     patient: bool = False
     warmup: str = "memory"
     hold: bool = False
+    in_flight: bool = False
 
     @property
     def name(self) -> str:
         return (f"greedy({'deep' if self.deep_first else 'oldest'}-first, fill {self.fill}"
-                f"{', patient' if self.patient else ''}, warm-up {self.warmup}{', hold' if self.hold else ''})")
+                f"{', patient' if self.patient else ''}, warm-up {self.warmup}{', hold' if self.hold else ''}"
+                f"{', in flight' if self.in_flight else ''})")
 
 
-# The most useful first: the search runs as many as its budget allows.
-POLICIES = tuple(_Policy(deep, fill, patient, warmup, hold) for patient in (False, True) for hold in (False, True)
+# The most useful first: the search runs the first FREE_POLICIES, then as many as its budget allows.
+POLICIES = (_Policy(True, "always", False, "end", False, True),) + tuple(_Policy(deep, fill, patient, warmup, hold) for patient in (False, True) for hold in (False, True)
                  for warmup in ("end", "start", "memory") for fill in ("always", "fit") for deep in (True, False))
 # A greedy run costs about this many evaluations of an order of the same size.
 GREEDY_COST = 20
+FREE_POLICIES = 3
 INFINITY = math.inf
 
 
@@ -420,6 +432,7 @@ class _Greedy:
         self.consumers: dict[int, list[int]] = {}   # node -> devices that wait for it
         self.first_back = [_first_back_arrival(problem, d) for d in range(p)]
         self.hold = [_held_for_drain(problem, d) if policy.hold else 0 for d in range(p)]
+        self.depth = [INFINITY] * p   # microbatches in flight when the device ran its first B
 
     def run(self) -> list[list[int]] | None:
         """Each device's order (node lists), or None if the policy got stuck."""
@@ -518,8 +531,12 @@ class _Greedy:
 
     def _warming_allows(self, d: int, node: int, ready: float) -> bool:
         """Before its first B, an F only where the policy's warm-up allows it (the first
-        F always: a device that runs nothing never gets a B)."""
-        if self.policy.warmup == "memory" or not self.programs[d] or any(self.next[d][B]):
+        F always: a device that runs nothing never gets a B); after it, any F, or with
+        `in_flight` one that keeps the microbatches in flight under the warm-up's depth."""
+        done = self.next[d]
+        if any(done[B]):
+            return not self.policy.in_flight or sum(done[F]) - sum(done[B]) < self.depth[d]
+        if self.policy.warmup == "memory" or not self.programs[d]:
             return True
         start = max(self.free[d], ready)
         if self.policy.warmup == "start":
@@ -535,6 +552,8 @@ class _Greedy:
         self.end[node] = self.free[d] = start + problem.duration[node]
         self.idle_since[d] = self.free[d]
         self.programs[d].append(node)
+        if kind == B and self.depth[d] == INFINITY:
+            self.depth[d] = sum(self.next[d][F]) - sum(self.next[d][B])
         self.next[d][kind][chunk] += 1
         self.live[d] += problem.memory[node]
         if kind == F:
@@ -597,11 +616,11 @@ def _held_for_drain(problem: _Problem, device: int) -> int:
 
 def _greedy_seeds(problem: _Problem, budget: _Budget) -> dict[str, list[list[int]]]:
     """The greedy scheduler's orders, one a policy that does not get stuck, the most
-    useful policies first, as many as the budget allows (two at least)."""
+    useful policies first, as many as the budget allows (FREE_POLICIES at least)."""
     seeds = {}
     policies = [policy for policy in POLICIES if problem.chunks > 1 or policy.deep_first]
     for n, policy in enumerate(policies):
-        if n >= 2 and not budget.take(GREEDY_COST * len(problem.duration)):
+        if n >= FREE_POLICIES and not budget.take(GREEDY_COST * len(problem.duration)):
             break
         programs = _Greedy(problem, policy).run()
         if programs is not None and all(_fits(problem, program) for program in programs):

@@ -123,10 +123,11 @@ def cases(items) -> list:
     return [pytest.param(*c, id="-".join(str(v) for v in c)) for c in items]
 
 
-# ---- the sweep: every schedule, p in {2, 4}, m in {1, 4, 8} (16 for interleaved) ---------
+# ---- the sweep: every schedule, p in {2, 4}, m in {1, 4, 8} (16 for interleaved; at p = 2,
+# m = 4 already runs the steady state m > p, so m = 8 there only for interleaved) ---------
 
 SWEEP = [(name, p, m) for name in schedule.KNOWN for p in (2, 4)
-         for m in ((1, 4, 8, 16) if name == "interleaved" else (1, 4, 8))]
+         for m in ((1, 4, 8, 16) if name == "interleaved" else (1, 4, 8) if p == 4 else (1, 4))]
 VALID = [case for case in SWEEP if rejection(*case) is None]
 
 
@@ -173,9 +174,9 @@ def test_schedule_matches_unsharded_and_its_collectives(name, p, m):
 
 
 def test_sweep_holds_the_expected_rejections():
-    """The sweep does not thin out silently: 35 runnable cases, 9 rejected ones."""
-    assert len(VALID) == 35 and len(SWEEP) - len(VALID) == 9
-    assert len({representative(*c) for c in VALID}) == 31  # m = 1: naive, gpipe, 1f1b one program
+    """The sweep does not thin out silently: 29 runnable cases, 9 rejected ones."""
+    assert len(VALID) == 29 and len(SWEEP) - len(VALID) == 9
+    assert len({representative(*c) for c in VALID}) == 25  # m = 1: naive, gpipe, 1f1b one program
     assert {(n, p, m) for n, p, m in SWEEP if rejection(n, p, m)} == {
         ("interleaved", 2, 1), ("interleaved", 4, 1), ("zb-h1", 2, 1), ("zb-h1", 4, 1), ("zb-h2", 2, 1),
         ("zb-h2", 4, 1), ("dualpipe-v", 2, 1), ("dualpipe-v", 4, 1), ("dualpipe-v", 4, 4)}

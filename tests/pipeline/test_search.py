@@ -15,7 +15,7 @@ import time
 import pytest
 
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import published, schedule, search
+from jaxpar.pipeline import published, schedule, search, search_problem
 from jaxpar.pipeline.schedule import Schedule, ScheduleError
 from jaxpar.pipeline.timing import Costs, timed
 
@@ -168,7 +168,7 @@ def _optimal_cost(problem) -> float:
         (ka, sa, ia), (kb, sb, ib) = problem.action(a), problem.action(b)
         if sa == sb:
             return (ka == kb and ia < ib) or (ka <= kb and ia <= ib and (ka, ia) != (kb, ib))
-        return ia == ib and ka == kb and (sa < sb if ka == search.F else sa > sb and ka == search.B)
+        return ia == ib and ka == kb and (sa < sb if ka == search_problem.F else sa > sb and ka == search_problem.B)
 
     free_pairs = [(a, b) for nodes in devices for i, a in enumerate(nodes) for b in nodes[i + 1:]
                   if not implied(a, b) and not implied(b, a)]
@@ -182,7 +182,7 @@ def _optimal_cost(problem) -> float:
     for (a, b), var in order.items():   # var = 1: a before b
         rows += [({b: 1, a: -1, var: -big}, duration[b] - big, np.inf), ({a: 1, b: -1, var: big}, duration[a], np.inf)]
     for nodes in devices:
-        for f in (x for x in nodes if problem.action(x)[0] == search.F):
+        for f in (x for x in nodes if problem.action(x)[0] == search_problem.F):
             coefficients, live = {}, problem.memory[f]
             for x in (x for x in nodes if x != f and not implied(f, x)):
                 if implied(x, f):
@@ -193,9 +193,9 @@ def _optimal_cost(problem) -> float:
                     live += problem.memory[x]
                     coefficients[order[f, x]] = -problem.memory[x]
             rows.append((coefficients, -np.inf, problem.cap + 1e-9 - live))
-        first = problem.node(search.F, min(problem.stage_of[problem.device[nodes[0]]]), 0)
+        first = problem.node(search_problem.F, min(problem.stage_of[problem.device[nodes[0]]]), 0)
         for stage in problem.stage_of[problem.device[nodes[0]]]:
-            rows.append(({span: 1, problem.node(search.W, stage, problem.microbatches - 1): -1, first: 1},
+            rows.append(({span: 1, problem.node(search_problem.W, stage, problem.microbatches - 1): -1, first: 1},
                          duration[first], np.inf))
     matrix = lil_matrix((len(rows), n_nodes + 1 + len(order)))
     for r, (coefficients, _, _) in enumerate(rows):
@@ -223,7 +223,7 @@ def test_small_problems_reach_the_proven_optimum(p, m, chunks, placement, cap):
     costs = Costs(F=(1.0, 2.0, 1.5, 1.0)[:p * chunks], B=(2.0, 3.0, 2.5, 2.0)[:p * chunks],
                   W=(0.5, 1.0, 1.0, 0.5)[:p * chunks], comm=0.1, weight_memory=0.5)
     found = _checked(search.search(p, m, costs, cap, chunks=chunks, placement=placement), costs, cap)
-    problem = search._problem(p, m, chunks, placement, costs, cap)
+    problem = search_problem.make_problem(p, m, chunks, placement, costs, cap)
     assert found.timing.cost == pytest.approx(_optimal_cost(problem), abs=1e-6)
 
 

@@ -26,13 +26,16 @@ def oracle_permutes(s: schedule.Schedule, itemsize: int) -> dict:
     return {"collective-permute": (n, n * ROWS_PER_MB * WIDTH * itemsize)} if n else {}
 
 
-def run(s: schedule.Schedule, dtype=jnp.float32) -> dict:
+def run(s: schedule.Schedule, dtype=jnp.float32, layers_per_stage: tuple[int, ...] | None = None) -> dict:
     """Errors against the unsharded model (loss, input gradient, every weight), the
-    tolerance rule, and the measured, formula and oracle collectives of s's compiled step."""
-    stage_fn, params, batch = verify.model("mlp", s.virtual_stages, ROWS_PER_MB * s.microbatches, dtype)
+    tolerance rule, and the measured, formula and oracle collectives of s's compiled step.
+    One MLP layer per model stage, or `layers_per_stage` of them."""
+    n_layers = sum(layers_per_stage) if layers_per_stage else s.virtual_stages
+    stage_fn, params, batch = verify.model("mlp", n_layers, ROWS_PER_MB * s.microbatches, dtype)
     mesh = mesh_lib.make_mesh(pp=s.stages, devices=jax.devices()[:s.stages])
-    pipe = runtime.pipeline(s, stage_fn, params, batch, mesh=mesh, bubble_fill=math.nan)
-    compiled = pipe.step.lower(runtime.to_stages(params, s), *batch, None, None).compile()
+    pipe = runtime.pipeline(s, stage_fn, params, batch, mesh=mesh, bubble_fill=math.nan,
+                            layers_per_stage=layers_per_stage)
+    compiled = pipe.step.lower(runtime.to_stages(params, s, layers_per_stage), *batch, None, None).compile()
     loss, grads = runtime.run_pipeline(pipe._replace(step=compiled), params, batch)
     ref_loss, ref = stage.unsharded(stage_fn, params, batch)
     errors, rule, within = compare_trees({"loss": loss, "inputs": grads.inputs, "params": grads.params},

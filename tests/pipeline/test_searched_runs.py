@@ -25,6 +25,8 @@ import functools
 
 import jax.numpy as jnp
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from jaxpar import reference
 from jaxpar.memory import activations
@@ -109,6 +111,33 @@ def test_searched_schedule_runs_exactly_in_float64(x64):
     c = _compare(CASES[4], jnp.float64)
     exact.assert_exact(c)
     assert c["tolerance"] == (1e-12, 1e-12)
+
+
+@st.composite
+def problems(draw):
+    """A search problem the API accepts: p <= 4, m <= 6, one chunk, two in a loop or two in
+    a V, different costs per stage, a send latency, a cap between the smallest feasible one
+    and three times it, and even or uneven layers per stage (1 to 3)."""
+    p, m = draw(st.integers(1, 4)), draw(st.integers(1, 6))
+    chunks, placement = draw(st.sampled_from([(1, "loop"), (2, "loop"), (2, "v")]))
+    per_stage = lambda low, high: st.tuples(*[st.floats(low, high) for _ in range(p * chunks)])
+    costs = Costs(F=draw(per_stage(0.5, 2)), B=draw(per_stage(0.5, 3)), W=draw(per_stage(0.1, 1.5)),
+                  comm=draw(st.floats(0, 0.5)), weight_memory=draw(st.floats(0, 1)))
+    cap = search.minimum_cap(p, chunks, costs, placement) * draw(st.floats(1, 3))
+    counts = draw(st.none() | st.tuples(*[st.integers(1, 3) for _ in range(p * chunks)]))
+    return p, m, chunks, placement, costs, cap, counts
+
+
+@settings(max_examples=4, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_drawn_searched_schedules_run_exactly(problem):
+    """Whatever the search accepts, the runtime runs exactly: drawn sizes, placements,
+    costs, caps and layer splits, each one compile."""
+    p, m, chunks, placement, costs, cap, counts = problem
+    s = search.search(p, m, costs, cap, chunks=chunks, placement=placement, time_limit=0.05)
+    search.validate_memory(s, costs, cap)
+    exact.assert_exact(exact.run(s.validate(), layers_per_stage=counts))
 
 
 # ---- compiled memory tracks the searched peak ---------------------------------------------------

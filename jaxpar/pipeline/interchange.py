@@ -59,6 +59,9 @@ def to_csv(schedule: Schedule) -> str:
     nothing (an action of several ticks leaves the cells after it empty). Rows end at their
     last action and lines end in "\\r\\n", as torch's csv.writer writes them: write the text
     with `open(path, "w", newline="")` and torch's `_load_csv` reads it."""
+    if not isinstance(schedule, Schedule):
+        raise ConfigError(f"to_csv takes a Schedule, not a {type(schedule).__name__}: "
+                          "to_csv(schedule.make('1f1b', stages=4, microbatches=8))")
     backward = "I" if schedule.split_backward else "B"
     rows = []
     for device in range(schedule.stages):

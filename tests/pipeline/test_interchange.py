@@ -269,6 +269,11 @@ def test_bad_csv_raises_config_error_naming_the_cell(text, options, match):
         interchange.from_csv(text, **options)
 
 
+def test_to_csv_takes_a_schedule():
+    with pytest.raises(ConfigError, match=r"to_csv takes a Schedule, not a str"):
+        interchange.to_csv("1f1b")
+
+
 def test_what_torch_writes_beyond_jaxpars_actions_is_read():
     """Overlapped cells run in order, a full B in a split file is B then W, communication
     cells are skipped, and a blank line at the end is no rank."""

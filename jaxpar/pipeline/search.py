@@ -13,7 +13,7 @@ backward split into B and W, with a small bubble:
   greedy    (`greedy.py`) a list scheduler after Qi et al.'s heuristic, under several
             policies: the device free first takes a B whose input has arrived, else an F
             if memory allows and its warm-up wants it, else a W that fills the gap,
-            holding some W's back for the drain; one policy keeps the warm-up's
+            holding some W's back for the drain; two policies keep the warm-up's
             microbatches in flight through the steady state (Qi et al.'s ZB-2p at large
             m, where the first device's wait for its first B is the whole bubble);
   local     (`annealing.py`) simulated annealing from the best of them: one action of

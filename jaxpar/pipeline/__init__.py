@@ -10,8 +10,10 @@ any of them as one SPMD program.
                times with comm (pure Python)
     timing     a schedule's order timed with measured costs: F, B, W per stage, comm on every
                send; Qi et al.'s bubble rate and peak memory in M_B
-    published  Qi et al. 2023's Tables 3, 5 and 6 (the figures the tests reproduce)
-    search     a schedule searched under a memory cap (heuristic seeds, then local moves)
+    published  Qi et al. 2023's Tables 3, 5, 6 and 8 (the figures the tests reproduce)
+    search     a schedule searched under a memory cap: the API; search_problem (the flat
+               tables and their timing), seeds (published orders, a repeated block),
+               greedy (Qi et al.'s list scheduler under its policies), annealing (local moves)
     interchange  torch.pipelining's CSV schedule format, both ways
     stage      what a stage is: layers(...), Grads, losses, the layer layout
     request    Request: one step's functions, shapes, specs and options, checked once

@@ -279,15 +279,14 @@ class Profiling:
 
 def fit(trainer: Trainer, *, steps: int, corpus=None, state: TrainState | None = None,
         checkpoints: Checkpoints | None = None, log: str | None = None, progress: bool = True,
-        on_step=None, validation: Validation | None = None,
-        profiling: Profiling | None = None) -> tuple[TrainState, History]:
+        validation: Validation | None = None, profiling: Profiling | None = None) -> tuple[TrainState, History]:
     """Train to `steps` steps in all; resume from `checkpoints`' latest step when it has
     one (and no `state` is given: else trainer.init()), save every `checkpoints.every`
     steps and the last.
 
     corpus: the data (default: `Corpus(vocab=cfg.vocab)`). validation: when to measure
     the validation loss (None: never). profiling: a trace of a few steps (None: none).
-    progress: the tqdm line on stderr. on_step(i, metrics) runs after each step. In a
+    log: a JSON-lines file, one row a step. progress: the tqdm line on stderr. In a
     multi-process job only process 0 writes the log and draws the progress line. The
     caller owns `checkpoints` (close it, or use `with`: its background threads end there)."""
     log = errors.writable_path("log", log) if log is not None else None
@@ -297,15 +296,9 @@ def fit(trainer: Trainer, *, steps: int, corpus=None, state: TrainState | None =
     history = History()
     state = _resume_or_init(trainer, state, checkpoints, history)
     start = int(jax.device_get(state.step))
-    lead = jax.process_index() == 0
     profiler = _Profile(profiling and profiling.directory, start + 1 if steps - start > 1 else start,
                         profiling.steps if profiling else 0)
-    out = open(log, "a") if log and lead else None
-    bar = _ProgressLine(total=steps, initial=start, disable=not (progress and lead and steps > start),
-                        dynamic_ncols=True, bar_format="step {n_fmt}/{total_fmt} |{bar:16}| {stats}")
-    line = functools.partial(_progress_text, trainer=trainer, tokens=trainer.batch_size * trainer.seq_len,
-                             device_kind=trainer.mesh.devices.flat[0].device_kind)
-    last_val = None
+    report = _Report(trainer, log, progress=progress and steps > start, start=start, steps=steps)
     try:
         for i in range(start, steps):
             read = functools.partial(corpus.batch, i, batch_size=trainer.batch_size, seq_len=trainer.seq_len)
@@ -317,19 +310,11 @@ def fit(trainer: Trainer, *, steps: int, corpus=None, state: TrainState | None =
             dt = time.perf_counter() - t0
             profiler.after(i)
             measured = validation is not None and validation.due(i, steps)
-            val = validation_loss(trainer, state, corpus, validation.batches) if measured else None
-            history.record(i, loss, metrics, dt, val)
-            last_val = val if measured else last_val
-            if out:
-                out.write(json.dumps(history.row(-1)) + "\n")
-                out.flush()
+            history.record(i, loss, metrics, dt,
+                           validation_loss(trainer, state, corpus, validation.batches) if measured else None)
+            report.step(history)
             if checkpoints is not None:
                 checkpoints.maybe_save(trainer, state)
-            if on_step is not None:
-                on_step(i, metrics)
-            if not bar.disable:
-                bar.stats = line(history, val=last_val)
-                bar.update(1)
         profiler.stop()
         history.profile = profiler.record()
         if checkpoints is not None:
@@ -338,10 +323,38 @@ def fit(trainer: Trainer, *, steps: int, corpus=None, state: TrainState | None =
             checkpoints.wait()
     finally:
         profiler.stop()
-        bar.close()
-        if out:
-            out.close()
+        report.close()
     return state, history
+
+
+class _Report:
+    """Where `fit` reports each step: one JSON line in `log` (flushed) and the progress line,
+    both on process 0 only; the line shows the last validation loss measured."""
+
+    def __init__(self, trainer: Trainer, log: str | None, *, progress: bool, start: int, steps: int):
+        lead = jax.process_index() == 0
+        self.out = open(log, "a") if log and lead else None
+        self.bar = _ProgressLine(total=steps, initial=start, disable=not (progress and lead), dynamic_ncols=True,
+                                 bar_format="step {n_fmt}/{total_fmt} |{bar:16}| {stats}")
+        self.text = functools.partial(_progress_text, trainer=trainer, tokens=trainer.batch_size * trainer.seq_len,
+                                      device_kind=trainer.mesh.devices.flat[0].device_kind)
+        self.last_val = None
+
+    def step(self, history: History) -> None:
+        row = history.row(-1)
+        if self.out:
+            self.out.write(json.dumps(row) + "\n")
+            self.out.flush()
+        if row.get("val_loss") is not None:
+            self.last_val = row["val_loss"]
+        if not self.bar.disable:
+            self.bar.stats = self.text(history, val=self.last_val)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.out:
+            self.out.close()
 
 
 def _resume_or_init(trainer: Trainer, state: TrainState | None, checkpoints: Checkpoints | None,

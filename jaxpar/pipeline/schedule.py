@@ -290,34 +290,46 @@ def units(chunks: int) -> dict[str, str]:
             "peaks": f"microbatch-chunks (each 1/{chunks} of a stage's activations)"}
 
 
+def place(shape: Schedule, programs: Sequence[Sequence[Action]], duration, *, latency: float = 0, zero=0):
+    """(start, end) of every action of each device's program, in its order: each at the
+    earliest time its device is free and the actions it needs (`shape.inputs`) have ended,
+    plus `latency` for an input from another device (a device with blocking receives).
+    duration(device, action) is its length; `zero` the time the step starts. None where the
+    programs deadlock (some action never gets its inputs). `simulate` places in whole
+    ticks, `timing.timed` in measured times with comm."""
+    ended: dict[Key, tuple[int, float]] = {}    # action -> (device, end)
+    times: list[list[tuple]] = [[] for _ in programs]
+    progress = True
+    while progress:
+        progress = False
+        for d, prog in enumerate(programs):
+            while len(times[d]) < len(prog):
+                a = prog[len(times[d])]
+                needs = shape.inputs(d, a)
+                if any(k not in ended for k in needs):
+                    break
+                ready = [end + (latency if src != d else 0) for src, end in (ended[k] for k in needs)]
+                start = max([times[d][-1][1] if times[d] else zero] + ready)
+                times[d].append((start, start + duration(d, a)))
+                ended[shape._key(d, a)] = (d, times[d][-1][1])
+                progress = True
+    return times if all(len(t) == len(p) for t, p in zip(times, programs)) else None
+
+
 def simulate(name: str, stages: int, microbatches: int, chunks: int, costs: Mapping[str, int],
              split_backward: bool, programs: Sequence[Sequence[Action]],
              placement: str = "loop") -> Schedule:
     """Place each device's program in order, every action at the earliest tick at which
     its device is free and its inputs have ended (a device with blocking receives)."""
     shape = Schedule(name, stages, microbatches, chunks, dict(costs), split_backward, (), placement)
-    end: dict[Key, int] = {}
-    placed: list[list[tuple[int, Action]]] = [[] for _ in range(stages)]
-    free = [0] * stages
-    progress = True
-    while progress:
-        progress = False
-        for d, prog in enumerate(programs):
-            while len(placed[d]) < len(prog):
-                a = prog[len(placed[d])]
-                needs = shape.inputs(d, a)
-                if any(k not in end for k in needs):
-                    break
-                t = max([free[d]] + [end[k] for k in needs])
-                free[d] = end[shape._key(d, a)] = t + costs[a.kind]
-                placed[d].append((t, a))
-                progress = True
-    if any(len(p) < len(q) for p, q in zip(placed, programs)):
+    times = place(shape, programs, lambda device, action: costs[action.kind])
+    if times is None:
         chain = " -> ".join(f"{a} on device {d}" for d, a in find_deadlock(programs, shape))
         raise ConfigError(f"{name}: the device programs deadlock: {chain} -> (back to the first)")
-    table: list[list[Action | None]] = [[None] * stages for _ in range(max(free, default=0))]
-    for d, p in enumerate(placed):
-        for t, a in p:
+    total = max((t[-1][1] for t in times if t), default=0)
+    table: list[list[Action | None]] = [[None] * stages for _ in range(total)]
+    for d, (prog, starts) in enumerate(zip(programs, times)):
+        for a, (t, _) in zip(prog, starts):
             table[t][d] = a
     return dataclasses.replace(shape, actions=tuple(tuple(r) for r in table))
 

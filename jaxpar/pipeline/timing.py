@@ -49,7 +49,7 @@ from collections.abc import Sequence
 
 from jaxpar.errors import ConfigError
 from jaxpar.pipeline.orders import Action
-from jaxpar.pipeline.schedule import Key, Schedule
+from jaxpar.pipeline.schedule import Key, Schedule, place
 
 __all__ = ["Costs", "Timing", "timed", "weight_memory_fraction", "DEFAULT_WEIGHT_MEMORY"]
 
@@ -269,28 +269,12 @@ def timed(schedule: Schedule, costs: Costs) -> Timing:
                           f"or Costs.parse('{EXAMPLE}')")
     costs.check_stages(schedule.virtual_stages)
     programs = [[a for _, a in schedule.program(d)] for d in range(schedule.stages)]
-    starts: list[list[float]] = [[] for _ in programs]
-    ends: list[list[float]] = [[] for _ in programs]
-    done: dict[Key, tuple[int, float]] = {}    # action -> (device, end)
-    progress = True
-    while progress:
-        progress = False
-        for d, program in enumerate(programs):
-            while len(starts[d]) < len(program):
-                action = program[len(starts[d])]
-                needs = schedule.inputs(d, action)
-                if any(k not in done for k in needs):
-                    break
-                ready = [end + (costs.comm if src != d else 0.0) for src, end in (done[k] for k in needs)]
-                start = max([ends[d][-1] if ends[d] else 0.0] + ready)
-                end = start + duration(schedule, costs, d, action)
-                starts[d].append(start)
-                ends[d].append(end)
-                done[schedule._key(d, action)] = (d, end)
-                progress = True
-    if any(len(s) < len(p) for s, p in zip(starts, programs)):
+    times = place(schedule, programs, functools.partial(duration, schedule, costs), latency=costs.comm, zero=0.0)
+    if times is None:
         raise ConfigError(f"{schedule.name}: the device orders deadlock with blocking receives; "
                           f"schedule.validate() names the cycle")
+    starts = [[start for start, _ in t] for t in times]
+    ends = [[end for _, end in t] for t in times]
     return Timing(schedule, costs, tuple(map(tuple, starts)), tuple(map(tuple, ends)))
 
 

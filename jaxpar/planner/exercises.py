@@ -5,7 +5,8 @@ from __future__ import annotations
 from jaxpar.expert import formulas as expert_formulas
 from jaxpar.pipeline import formulas as pipeline_formulas
 from jaxpar.planner import catalog
-from jaxpar.planner.search import Candidate, Cluster, evaluate, tp_wire_bytes
+from jaxpar.planner.estimate import Candidate, Cluster, tp_wire_bytes
+from jaxpar.planner.search import evaluate
 
 
 def exercise_1(p: int = 8, max_bubble: float = 0.10, microbatch_size: int = 4, seq_len: int = 4096) -> dict:

@@ -4,11 +4,13 @@
     req = runtime.request(schedule, stage_fn, params, batch, mesh=m, recompute=True)
     pipe = runtime.pipeline(req)                    # or runtime.local(req) inside your own shard_map
 
-`make(...)` (`runtime.request`) refuses, with a ConfigError naming the value, the
-constraint and a fix, anything the schedule cannot run on the mesh with these functions,
-shapes and specs, before anything compiles. It keeps shapes only: params, batch and the
-first/last params may be arrays or ShapeDtypeStructs. The request then holds what the
-checks found: the layer count, the axes the batch is split over, every PartitionSpec
+`make(schedule, stage_fn, params, batch, mesh=m, ends=Ends(...), options=Options(...))`
+(`Ends`: the first and last stages' parts; `Options`: the rest; `from_keywords`, which is
+`runtime.request`, takes their fields as keywords) refuses, with a ConfigError naming the
+value, the constraint and a fix, anything the schedule cannot run on the mesh with these
+functions, shapes and specs, before anything compiles. It keeps shapes only: params, batch
+and the first/last params may be arrays or ShapeDtypeStructs. The request then holds what
+the checks found: the layer count, the axes the batch is split over, every PartitionSpec
 (one per leaf, the axes of one device dropped), the per-device shapes and the loss dtype.
 Two requests are equal, and hash alike, when they build the same program: the same
 schedule table, functions (by identity), shapes, dtypes, mesh, specs and options.
@@ -135,51 +137,111 @@ def _shapes(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(jnp.shape(a)), jnp.result_type(a)), tree)
 
 
-def make(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, loss_fn: Callable = mse,
-         recompute: bool = False, bubble_fill: float = 0.0, input_grads: bool | None = None,
-         param_specs=None, batch_spec: P | tuple | None = None, first_fn: Callable | None = None,
-         first_params=None, first_specs=None, last_params=None, last_specs=None,
-         layers_per_stage=None) -> Request:
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Ends:
+    """The first and last stages' own parts, around the layers the stages share: a first
+    function with its parameters on stage 0, and the loss (with its own parameters or not)
+    on the last stage. Compared by identity, as it may hold arrays: the Request built from
+    it keeps their shapes, and Requests are what compare."""
+
+    loss_fn: Callable = mse
+    """loss_fn(y, targets) -> scalar, the mean over the microbatch; with last_params,
+    loss_fn(last_params, y, targets). Default: the mean squared error."""
+
+    first_fn: Callable | None = None
+    """first_fn(first_params, inputs) -> activation, run on stage 0 (e.g. an embedding of
+    token ids). None: the inputs are the first stage's activation."""
+
+    first_params: Any = None
+    """first_fn's parameters (arrays or ShapeDtypeStructs; only their shapes are kept);
+    None without first_fn."""
+
+    first_specs: Any = None
+    """PartitionSpecs of first_params over the non-pp axes, one per leaf. None: replicated."""
+
+    last_params: Any = None
+    """The loss's own parameters (e.g. the LM head), passed first to loss_fn. None: the loss
+    takes (y, targets) only."""
+
+    last_specs: Any = None
+    """PartitionSpecs of last_params over the non-pp axes, one per leaf. None: replicated."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """How the step runs and how its parameters and batch are laid out. The defaults run
+    the plain pipeline: nothing recomputed, data parallel over dp, even stages."""
+
+    recompute: bool = False
+    """Keep only each stage's input between F and B and run the forward again in B: less
+    activation memory for one more forward. Default off: the residuals are kept."""
+
+    bubble_fill: float = 0.0
+    """The value unused buffer slots start with: a real number, NaN allowed. NaN shows that
+    nothing reads them (a slot read would carry NaN into the loss). Default 0.0."""
+
+    input_grads: bool | None = None
+    """Also return d loss / d inputs. None: when the inputs are floating point (there is no
+    gradient with respect to token ids)."""
+
+    param_specs: Any = None
+    """PartitionSpecs of one layer's parameters over the non-pp axes, without the layer
+    axis, one per leaf (e.g. tensor-parallel weights over tp). None: replicated."""
+
+    batch_spec: P | tuple | None = None
+    """The batch's PartitionSpec, or a pair (inputs' spec, targets' spec); the rows split
+    over its first entry, then into microbatches. None: P("dp") when the mesh has dp."""
+
+    layers_per_stage: tuple[int, ...] | None = None
+    """The layers of each of the p*v model stages, in model order, e.g. (1, 2, 2, 1):
+    uneven stages, for which stage_fn must be `layers(layer_fn)`. None: L / (p v) each."""
+
+
+_ENDS = tuple(f.name for f in dataclasses.fields(Ends))
+_OPTIONS = tuple(f.name for f in dataclasses.fields(Options))
+
+
+def from_keywords(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, **keywords) -> Request:
+    """`make` with the fields of Ends and Options given as keywords, as `runtime.request`,
+    `runtime.run` and `runtime.pipeline` take them: (..., mesh=m, recompute=True)."""
+    for name in keywords:
+        if name not in _ENDS and name not in _OPTIONS:
+            raise TypeError(f"request() got an unexpected keyword argument {name!r}")
+    ends = Ends(**{k: v for k, v in keywords.items() if k in _ENDS})
+    options = Options(**{k: v for k, v in keywords.items() if k in _OPTIONS})
+    return make(schedule, stage_fn, params, batch, mesh=mesh, ends=ends, options=options)
+
+
+def make(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, ends: Ends = Ends(),
+         options: Options = Options()) -> Request:
     """Check everything (ConfigError before compiling) and return the Request.
 
-    batch = (inputs [B, ...], targets [B, ...]); B splits over batch_spec's first entry
-    (default P("dp"); a pair of specs for inputs and targets), then into microbatches.
-    recompute: keep only each stage's input between F and B and run the forward again.
-    bubble_fill: the value unused buffer slots start with (NaN checks nothing reads them).
-    input_grads: also return d loss / d inputs (default: when they are floating point).
-    param_specs, first_specs, last_specs: PartitionSpecs over the non-pp axes (param_specs
-    for one layer, without the layer axis); default replicated.
-    first_fn, first_params, last_params: the first stage's function and parameters, the
-    loss's parameters (see `Request`).
-    layers_per_stage: the layers of each of the p*v model stages, in model order, e.g.
-    (1, 2, 2, 1) (default: L / (p v) each); stage_fn must then be `layers(layer_fn)`."""
-    _check_functions(schedule, stage_fn, loss_fn, first_fn)
-    require_mesh(mesh, axes=(PP,), needed_by="the pipeline runtime")
-    if schedule.stages != axis_size(mesh, PP):
-        raise ConfigError(f"schedule {schedule.name!r} is built for p={schedule.stages} devices but the mesh has "
-                          f"{PP}={axis_size(mesh, PP)}: make it with schedule.make({schedule.name!r}, "
-                          f"stages={axis_size(mesh, PP)}, ...)")
+    stage_fn(stage_params, x) -> y; params: [L, ...] leaves; batch = (inputs [B, ...],
+    targets [B, ...]); mesh: with a pp axis of schedule.stages devices. `ends`: the first
+    and last stages' parts; `options`: recompute, bubble fill, input gradients, layouts
+    and uneven stages (their fields say what each is)."""
+    _check_functions(schedule, stage_fn, ends.loss_fn, ends.first_fn)
+    _check_mesh(schedule, mesh)
     n_layers = _layer_count(params)
-    layers_per_stage = _layers_per_stage(layers_per_stage, n_layers, schedule, stage_fn)
-    batch_found = _batch(batch, batch_spec, mesh, schedule.microbatches, first_fn, input_grads)
-    param_specs, local_params = _specs(params, param_specs, mesh, "param_specs", skip=1)
-    if first_params is not None and first_fn is None:
+    layers_per_stage = _layers_per_stage(options.layers_per_stage, n_layers, schedule, stage_fn)
+    batch_found = _batch(batch, options.batch_spec, mesh, schedule.microbatches, ends.first_fn, options.input_grads)
+    param_specs, local_params = _specs(params, options.param_specs, mesh, "param_specs", skip=1)
+    if ends.first_params is not None and ends.first_fn is None:
         raise ConfigError("first_params given without first_fn: give first_fn(first_params, inputs) -> activation")
-    first_specs, local_first = _edge_specs(first_params, first_specs, mesh, "first_specs")
-    last_specs, local_last = _edge_specs(last_params, last_specs, mesh, "last_specs")
-    _check_options(recompute=recompute, bubble_fill=bubble_fill)
+    first_specs, local_first = _edge_specs(ends.first_params, ends.first_specs, mesh, "first_specs")
+    last_specs, local_last = _edge_specs(ends.last_params, ends.last_specs, mesh, "last_specs")
+    _check_options(recompute=options.recompute, bubble_fill=options.bubble_fill)
     local = dict(batch_found.local, params=local_params, first=local_first, last=local_last,
                  stage=jax.tree.map(lambda a: jax.ShapeDtypeStruct((max(layers_per_stage), *a.shape[1:]), a.dtype),
                                     local_params))
-    loss_dtype = _loss_dtype(local, stage_fn, loss_fn, first_fn, has_last=last_params is not None)
-    return Request(schedule=schedule, stage_fn=stage_fn, mesh=mesh, loss_fn=loss_fn, first_fn=first_fn,
-                   recompute=recompute, bubble_fill=bubble_fill, input_grads=batch_found.input_grads,
+    loss_dtype = _loss_dtype(local, stage_fn, ends.loss_fn, ends.first_fn, has_last=ends.last_params is not None)
+    return Request(schedule=schedule, stage_fn=stage_fn, mesh=mesh, loss_fn=ends.loss_fn, first_fn=ends.first_fn,
+                   recompute=options.recompute, bubble_fill=options.bubble_fill, input_grads=batch_found.input_grads,
                    params=_shapes(params), inputs=_shapes(batch[0]), targets=_shapes(batch[1]),
-                   first_params=_shapes(first_params), last_params=_shapes(last_params), param_specs=param_specs,
-                   first_specs=first_specs, last_specs=last_specs, in_spec=batch_found.in_spec,
-                   target_spec=batch_found.target_spec, n_layers=n_layers, layers_per_stage=layers_per_stage,
-                   batch_axes=batch_found.axes,
-                   loss_dtype=loss_dtype, local=local)
+                   first_params=_shapes(ends.first_params), last_params=_shapes(ends.last_params),
+                   param_specs=param_specs, first_specs=first_specs, last_specs=last_specs,
+                   in_spec=batch_found.in_spec, target_spec=batch_found.target_spec, n_layers=n_layers,
+                   layers_per_stage=layers_per_stage, batch_axes=batch_found.axes, loss_dtype=loss_dtype, local=local)
 
 
 # ---- the checks, in the order `make` runs them --------------------------------------------
@@ -194,6 +256,15 @@ def _check_functions(schedule, stage_fn, loss_fn, first_fn) -> None:
         if not callable(fn):
             raise ConfigError(f"{name}={fn!r} is not callable: give a function ({name}(params, x) for a stage, "
                               "loss_fn(y, targets) -> scalar for the loss)")
+
+
+def _check_mesh(schedule: Schedule, mesh) -> None:
+    """Refuse a mesh without a pp axis of the schedule's p devices."""
+    require_mesh(mesh, axes=(PP,), needed_by="the pipeline runtime")
+    if schedule.stages != axis_size(mesh, PP):
+        raise ConfigError(f"schedule {schedule.name!r} is built for p={schedule.stages} devices but the mesh has "
+                          f"{PP}={axis_size(mesh, PP)}: make it with schedule.make({schedule.name!r}, "
+                          f"stages={axis_size(mesh, PP)}, ...)")
 
 
 def _layer_count(params) -> int:

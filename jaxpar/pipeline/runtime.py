@@ -61,7 +61,7 @@ from jaxpar.pipeline.stage import (Grads, from_microbatches, from_stages, layers
 __all__ = ["Grads", "Local", "Pipeline", "Request", "from_stages", "layers", "local", "mse", "pipeline", "request",
            "run", "run_pipeline", "to_stages"]
 
-request = request_lib.make   # runtime.request(schedule, stage_fn, params, batch, mesh=m, ...) -> Request
+request = request_lib.from_keywords   # runtime.request(schedule, stage_fn, params, batch, mesh=m, ...) -> Request
 
 
 class Pipeline(NamedTuple):
@@ -172,10 +172,12 @@ def _pipeline_lru(request: Request) -> Pipeline:
 def run(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, **options) -> tuple[jax.Array, Grads]:
     """Run one training step's forward and backward with `schedule` on `mesh` (axis pp,
     and any others): (loss, Grads(params, inputs, first, last)), equal to the unsharded
-    model's. `options` are `request`'s (loss_fn, recompute, bubble_fill, input_grads,
-    param_specs, batch_spec, first_fn, first_params, first_specs, last_params,
-    last_specs, layers_per_stage: uneven stages, e.g. (1, 2, 2, 1)). The step is built once per Request (schedule, functions, shapes, dtypes,
-    mesh, specs, options) and kept in an LRU cache of CACHE_SIZE, so a loop compiles once."""
+    model's. `options` are `request`'s: the fields of request.Ends (loss_fn, first_fn,
+    first_params, first_specs, last_params, last_specs) and request.Options (recompute,
+    bubble_fill, input_grads, param_specs, batch_spec, layers_per_stage: uneven stages,
+    e.g. (1, 2, 2, 1)). The step is built once per Request (schedule, functions, shapes,
+    dtypes, mesh, specs, options) and kept in an LRU cache of CACHE_SIZE, so a loop
+    compiles once."""
     req = request(schedule, stage_fn, params, batch, mesh=mesh, **options)
     try:
         hash(req)

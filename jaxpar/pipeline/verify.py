@@ -1,16 +1,18 @@
 """The pipeline proven: schedules against the lecture's figures, the runtime against the
 unsharded model, and each compiled step's collectives against `formulas`.
 
-`compare` runs one schedule on a dp x pp mesh and returns every difference and the
-compiled collectives next to the formula; `check_schedules` and `check_runtime` are
-`jaxpar verify schedule|pp` and the tour's rows, holding the tables against the lecture's
-timelines (`formulas.LECTURE_TIMELINES`, pure Python: examples/01 prints them too).
+`compare` runs one schedule on a dp x pp mesh, with the model a `ModelChoice` names, and
+returns every difference and the compiled collectives next to the formula;
+`check_schedules` and `check_runtime` are `jaxpar verify schedule|pp` and the tour's rows,
+holding the tables against the lecture's timelines (`formulas.LECTURE_TIMELINES`, pure
+Python: examples/01 prints them too).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,16 +76,38 @@ def expected_collectives(pipe: runtime.Pipeline, params, batch):
         param_bytes=sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params)))
 
 
-def compare(name: str, stages: int, microbatches: int, *, dp: int = 1, layers: str = "mlp", dtype=jnp.float32,
-            chunks: int | None = None, n_layers: int | None = None, recompute: bool = False,
-            bubble_fill: float = float("nan"), rows: int | None = None) -> Comparison:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelChoice:
+    """The model and batch a comparison runs (`model` builds them): small, so that each
+    case compiles in seconds on fake CPU devices."""
+
+    layers: str = "mlp"
+    """"mlp", the lecture's MLP layers, or "blocks", reference transformer blocks."""
+
+    n_layers: int | None = None
+    """The layer count. None: two per model stage (2 p v)."""
+
+    rows: int | None = None
+    """The batch's rows. None: two per microbatch and dp shard (2 m dp)."""
+
+    dtype: Any = jnp.float32
+    """The parameters' and batch's dtype (float64 under jax_enable_x64 for tight checks)."""
+
+    def build(self, s: schedule.Schedule, dp: int):
+        """(stage_fn, params, batch) for schedule `s` on dp shards."""
+        n_layers = self.n_layers or 2 * s.virtual_stages
+        rows = self.rows or 2 * s.microbatches * dp
+        return model(self.layers, n_layers, rows, self.dtype)
+
+
+def compare(name: str, stages: int, microbatches: int, *, dp: int = 1, chunks: int | None = None,
+            model: ModelChoice = ModelChoice(), recompute: bool = False,
+            bubble_fill: float = float("nan")) -> Comparison:
     """Run `name` on a dp x pp mesh (bubble slots filled with NaN by default) and compare
     with the unsharded model: loss, input gradient and every parameter gradient."""
     start = time.perf_counter()
     s = schedule.make(name, stages=stages, microbatches=microbatches, chunks=chunks)
-    n_layers = n_layers or 2 * s.virtual_stages
-    rows = rows or 2 * microbatches * dp
-    stage_fn, params, batch = model(layers, n_layers, rows, dtype)
+    stage_fn, params, batch = model.build(s, dp)
     m = mesh_lib.make_mesh(dp=dp, pp=stages, devices=jax.devices()[:dp * stages])
     pipe = runtime.pipeline(s, stage_fn, params, batch, mesh=m, recompute=recompute, bubble_fill=bubble_fill)
     compiled = pipe.step.lower(runtime.to_stages(params, s), *batch, None, None).compile()
@@ -107,7 +131,8 @@ def check_runtime() -> list[Result]:
     dp = 2 if n >= 2 * p else 1
     return [compare("1f1b", p, 8, dp=dp).result("lecture MLP (8 layers, 2 per stage); NaN in bubbles"),
             compare("interleaved", p, 2 * p, chunks=2).result(),
-            compare("zb-h2", p, p, layers="blocks", n_layers=p).result("reference blocks (GQA, SwiGLU), B/W split"),
+            compare("zb-h2", p, p, model=ModelChoice(layers="blocks", n_layers=p)).result(
+                "reference blocks (GQA, SwiGLU), B/W split"),
             compare("dualpipe-v", p, 2 * p, dp=dp).result("V placement: chunk 1 runs back up the devices"),
             check_nnx(p)]
 

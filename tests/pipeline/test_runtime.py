@@ -77,8 +77,8 @@ def by_hand_permutes(name: str, p: int, m: int) -> int | None:
 
 @functools.cache
 def _compare(name, p, m, dp=1, recompute=False, layers="mlp", n_layers=None, dtype=jnp.float32):
-    return verify.compare(name, p, m, dp=dp, recompute=recompute, layers=layers, n_layers=n_layers,
-                                  dtype=dtype)
+    return verify.compare(name, p, m, dp=dp, recompute=recompute,
+                          model=verify.ModelChoice(layers=layers, n_layers=n_layers, dtype=dtype))
 
 
 def assert_matches(c: verify.Comparison):
@@ -190,7 +190,7 @@ F64_CASES = [("naive", 2, 2, 1), ("gpipe", 4, 4, 2), ("1f1b", 4, 4, 1), ("interl
 @pytest.mark.parametrize("name,p,m,dp", cases(F64_CASES))
 def test_schedule_matches_unsharded_in_float64(x64, name, p, m, dp):
     s = schedule.make(name, stages=p, microbatches=m)
-    c = verify.compare(name, p, m, dp=dp, dtype=jnp.float64, n_layers=s.virtual_stages)
+    c = verify.compare(name, p, m, dp=dp, model=verify.ModelChoice(dtype=jnp.float64, n_layers=s.virtual_stages))
     assert_matches(c)
     assert c.tolerance == (1e-12, 1e-12)
     expected = permutes(name, p, m, itemsize=8)

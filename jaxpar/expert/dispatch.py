@@ -1,7 +1,8 @@
 """Expert parallelism (lecture 6): route, all-to-all to the experts' owners, compute, all-to-all back.
 
-    ep_moe_shard(p, x, *, axis, top_k, capacity_factor, ...)   per-shard, inside shard_map
-    ep_moe(params, x, *, mesh, cfg, capacity_factor, ...)      global arrays -> (y, MoEStats)
+    ep_moe_shard(p, x, *, axis, options, bias, routing)   per-shard, inside shard_map
+    ep_moe(params, x, *, mesh, cfg, capacity_factor, ...)  global arrays -> (y, MoEStats)
+    MoEOptions(top_k=, capacity_factor=, drop=, mlp=, ...) how tokens are routed, packed and computed
 
 On each device of the `ep` axis (E/ep experts each):
   1. route: the replicated router picks each token's top-k experts and gates (router.py);
@@ -74,34 +75,62 @@ def _experts(p: dict, h, mlp: str):
     return jnp.einsum("secf,efd->secd", up, p["w_down"])
 
 
-def ep_moe_shard(p: dict, x, *, axis=EP, top_k: int, capacity_factor=None, drop: str = "position",
-                 mlp: str = "gelu", scoring: str = "softmax", renormalize: bool = True, bias=None,
-                 routing=None):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEOptions:
+    """How one MoE layer routes, packs and computes its tokens: the settings `ep_moe_shard`
+    and `dispatch_and_combine` share (the arrays, bias and routing, stay arguments).
+    `of(cfg)` reads them from a reference.ModelConfig. Checked where they are used
+    (`ep_moe_shard`, `ep_moe`), not here."""
+
+    top_k: int
+    """Experts per token, 1 .. E (router.select_experts)."""
+    capacity_factor: float | None = None
+    """Slots per expert over the even share t*k/E (formulas.capacity); None: dropless,
+    C = t, as the reference computes it."""
+    drop: str = "position"
+    """Which assignments fill an expert's C slots first: "position" (every token's first
+    choice before any second choice, GShard/Switch) or "probability" (highest gate first)."""
+    mlp: str = "gelu"
+    """Each expert's FFN: "gelu" or "swiglu" (w_gate too)."""
+    scoring: str = "softmax"
+    """The router: "softmax", or "sigmoid" (DeepSeek-V3, which takes a bias)."""
+    renormalize: bool = True
+    """The top-k gates renormalised to sum to 1 (Mixtral), as the reference's default."""
+
+    @classmethod
+    def of(cls, cfg: reference.ModelConfig, **overrides) -> MoEOptions:
+        """The options `cfg` implies (top_k, mlp, its router and renormalisation), with
+        `overrides` (e.g. capacity_factor=1.25) replacing any of them."""
+        implied = cls(top_k=cfg.top_k, mlp=cfg.mlp, scoring=cfg.router, renormalize=cfg.moe_renormalize)
+        return dataclasses.replace(implied, **overrides)
+
+
+def ep_moe_shard(p: dict, x, *, axis=EP, options: MoEOptions, bias=None, routing=None):
     """The MoE layer on this device's tokens x [t, D], inside shard_map over `axis`.
 
     p: "router" [D, E] (replicated), "w_up" [E/ep, D, F], "w_down" [E/ep, F, D] (and
     "w_gate" for SwiGLU): this device's experts, expert e on device e // (E/ep).
     Returns (y [t, D], kept [E], dropped [E]): assignments of this device's tokens each
-    expert took and dropped. axis=None is one device, nothing sent. routing: the
-    `router.route` of x, when the caller took it (to read its balance statistics; route
-    checked the router then); default: routed here. Checked here (ConfigError);
-    `dispatch_and_combine` is the same without the checks."""
-    errors.one_of("drop", drop, DROPS)
-    errors.one_of("mlp", mlp, MLPS)
+    expert took and dropped. axis=None is one device, nothing sent. bias [E]: the
+    sigmoid router's selection bias. routing: the `router.route` of x, when the caller
+    took it (to read its balance statistics; route checked the router then); default:
+    routed here. Checked here (ConfigError); `dispatch_and_combine` is the same without
+    the checks."""
+    errors.one_of("drop", options.drop, DROPS)
+    errors.one_of("mlp", options.mlp, MLPS)
     t, D = errors.array("x", x, ndim=2, kinds="f", shape_doc="x[tokens, d_model]")
     if routing is None:
-        E = check_route(p["router"], D, top_k=top_k, scoring=scoring, bias=bias)
+        E = check_route(p["router"], D, top_k=options.top_k, scoring=options.scoring, bias=bias)
     else:
         E = routing.probs.shape[-1]
-        check_top_k(top_k, E)
+        check_top_k(options.top_k, E)
     ep = 1 if axis is None else jax.lax.axis_size(axis)
     if E % ep:
         raise ConfigError(f"n_experts={E} is not divisible by ep={ep}: each device owns E/ep whole experts. "
                           f"Fix: ep in ({errors.divisors(E)}) or n_experts a multiple of {ep}")
-    check_expert_weights(p, mlp=mlp, leading=E // ep,
+    check_expert_weights(p, mlp=options.mlp, leading=E // ep,
                          why=f"each of the ep={ep} devices holds E/ep={E // ep} experts")
-    return dispatch_and_combine(p, x, axis=axis, top_k=top_k, capacity_factor=capacity_factor, drop=drop, mlp=mlp,
-                                scoring=scoring, renormalize=renormalize, bias=bias, routing=routing)
+    return dispatch_and_combine(p, x, axis=axis, options=options, bias=bias, routing=routing)
 
 
 def check_expert_weights(p: dict, *, mlp: str, leading: int, why: str) -> None:
@@ -113,21 +142,20 @@ def check_expert_weights(p: dict, *, mlp: str, leading: int, why: str) -> None:
             raise ConfigError(f"expert weight {name} is {got}: {why}, so it needs leading size {leading}")
 
 
-def dispatch_and_combine(p: dict, x, *, axis, top_k: int, capacity_factor, drop: str, mlp: str, scoring: str,
-                         renormalize: bool, bias, routing):
+def dispatch_and_combine(p: dict, x, *, axis, options: MoEOptions, bias, routing):
     """ep_moe_shard on inputs its entry points (ep_moe, ep_moe_shard) have checked: route
     (unless `routing` is given), pack each expert's tokens, all-to-all them to the
     expert's device, run the experts, all-to-all back and combine. x [t, D] ->
     (y [t, D], kept [E], dropped [E])."""
     t, D = x.shape
-    r = select_experts(p["router"], x, top_k=top_k, scoring=scoring, renormalize=renormalize, bias=bias) \
-        if routing is None else routing
+    r = select_experts(p["router"], x, top_k=options.top_k, scoring=options.scoring, renormalize=options.renormalize,
+                       bias=bias) if routing is None else routing
     E = r.probs.shape[-1]
     ep = 1 if axis is None else jax.lax.axis_size(axis)
     local = E // ep
-    C = capacity(t, top_k, E, capacity_factor)
-    buf, slot, keep = pack(x, r.experts, r.weights, n_experts=E, capacity=C, drop=drop)
-    out = exchange(_experts(p, exchange(buf.reshape(ep, local, C, D), axis), mlp), axis)
+    C = capacity(t, options.top_k, E, options.capacity_factor)
+    buf, slot, keep = pack(x, r.experts, r.weights, n_experts=E, capacity=C, drop=options.drop)
+    out = exchange(_experts(p, exchange(buf.reshape(ep, local, C, D), axis), options.mlp), axis)
     y = unpack(out.reshape(E * C, D), slot, keep, r.weights)
     load = expert_load(r.experts, E)
     kept = jnp.zeros((E,), jnp.int32).at[r.experts.reshape(-1)].add(keep.reshape(-1).astype(jnp.int32))
@@ -258,9 +286,8 @@ def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "pos
     C = capacity(tokens, cfg.top_k, cfg.n_experts, capacity_factor)   # refuses a capacity_factor <= 0
     p = {name: params[name] for name in names}
     p_specs, x_spec = specs(mesh, p)
-    shard = functools.partial(dispatch_and_combine, axis=EP if ep > 1 else None, top_k=cfg.top_k,
-                              capacity_factor=capacity_factor, drop=drop, mlp=cfg.mlp, scoring=scoring,
-                              renormalize=cfg.moe_renormalize, routing=None)
+    options = MoEOptions.of(cfg, capacity_factor=capacity_factor, drop=drop, scoring=scoring)
+    shard = functools.partial(dispatch_and_combine, axis=EP if ep > 1 else None, options=options, routing=None)
 
     def run(p, x, bias):
         b = x.shape[0]

@@ -37,7 +37,7 @@ from jaxpar.context.ring import ring_attention_shard
 from jaxpar.context.ulysses import ulysses_attention_shard
 from jaxpar.data import zero
 from jaxpar.errors import ConfigError
-from jaxpar.expert.dispatch import ep_moe_shard
+from jaxpar.expert.dispatch import MoEOptions, ep_moe_shard
 from jaxpar.expert.router import route
 from jaxpar.mesh import CP, DP, EP, PP, TP
 from jaxpar.pipeline import runtime
@@ -188,8 +188,7 @@ def _moe(p, z, *, cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int, 
     x = zg.reshape(B * T, D)
     r = route(p["router"], x, top_k=cfg.top_k, scoring=cfg.router, renormalize=cfg.moe_renormalize,
               bias=p.get("router_bias"))
-    y, _, _ = ep_moe_shard(experts, x, axis=EP if spec.ep > 1 else None, top_k=cfg.top_k, capacity_factor=None,
-                           mlp=cfg.mlp, routing=r)
+    y, _, _ = ep_moe_shard(experts, x, axis=EP if spec.ep > 1 else None, options=MoEOptions.of(cfg), routing=r)
     if balance.enabled(cfg):
         y = balance.moe_balance(y, p, r, cfg=cfg, sizes=spec.sizes, sequences=B, seq_len=seq_len,
                                 batch_size=batch_size)

@@ -68,7 +68,7 @@ def test_router_scorings_and_bias():
 def test_expert_weights_of_the_wrong_size_are_refused_in_the_shard():
     p = _params() | {"w_up": jnp.zeros((3, 16, 32))}
     with pytest.raises(ConfigError, match="expert weight w_up is shape \\(3, 16, 32\\).*leading size 8"):
-        dispatch.ep_moe_shard(p, jnp.zeros((4, 16)), axis=None, top_k=2)
+        dispatch.ep_moe_shard(p, jnp.zeros((4, 16)), axis=None, options=dispatch.MoEOptions(top_k=2))
 
 
 def test_formulas_refuse_what_the_program_refuses():

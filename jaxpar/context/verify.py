@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import math
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,12 +56,49 @@ def _reference_step(causal: bool):
     return jax.jit(step)
 
 
-def run_attention(method: str, mesh, *, causal: bool = True, layout: str = "contiguous", permute: bool = True,
-                  batch_size: int = 4, seq_len: int = 32, n_heads: int = 8, n_kv_heads: int = 2, head_dim: int = 4,
-                  dtype=jnp.float32, seed: int = 0, scale: float = 1.0, chunk: int = CHUNK) -> AttentionRun:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionCase:
+    """One attention `run_attention` proves: how the method attends (causal, layout,
+    permute, chunk) and the inputs it attends over (q [B, T, N, H], k and v [B, T, K, H],
+    drawn by `attention_inputs`). Defaults: a small GQA case, causal, contiguous."""
+
+    causal: bool = True
+    """Each token attends to itself and the tokens before it only."""
+    layout: str = "contiguous"
+    """The ring's token order over cp: "contiguous" or "zigzag" (balances causal work)."""
+    permute: bool = True
+    """The program reorders tokens into the layout and back itself; False: the caller
+    gives them in the layout's order (reordered outside the program, as a data loader would)."""
+    chunk: int = CHUNK
+    """Keys per block of the blockwise softmax."""
+    batch_size: int = 4
+    """B, sequences (a multiple of dp)."""
+    seq_len: int = 32
+    """T, tokens per sequence (a multiple of what the layout splits it into)."""
+    n_heads: int = 8
+    """N, query heads."""
+    n_kv_heads: int = 2
+    """K, key and value heads (a divisor of N: grouped-query attention)."""
+    head_dim: int = 4
+    """H, the size of each head."""
+    dtype: Any = jnp.float32
+    """The inputs' dtype (jnp.float64 needs jax_enable_x64)."""
+    seed: int = 0
+    """The numpy seed the inputs are drawn with."""
+    scale: float = 1.0
+    """q, k and v ~ N(0, scale^2): 100 gives logits near 1e4."""
+
+    def inputs(self):
+        """(q, k, v, do): this case's `attention_inputs`."""
+        return attention_inputs(self.batch_size, self.seq_len, self.n_heads, self.n_kv_heads, self.head_dim,
+                                self.dtype, self.seed, self.scale)
+
+
+def run_attention(method: str, mesh, case: AttentionCase = AttentionCase()) -> AttentionRun:
     """`method` (ring over cp, ulysses over cp, hybrid over ucp x cp) on `mesh`, against
     reference.attention, with both programs' collectives and their formulas."""
-    q, k, v, do = attention_inputs(batch_size, seq_len, n_heads, n_kv_heads, head_dim, dtype, seed, scale)
+    causal, layout, permute, chunk = case.causal, case.layout, case.permute, case.chunk
+    q, k, v, do = case.inputs()
     if method == "ring":
         fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, causal=causal, layout=layout, permute=permute,
                                             chunk=chunk)
@@ -77,9 +115,9 @@ def run_attention(method: str, mesh, *, causal: bool = True, layout: str = "cont
         into, back = (functools.partial(f, cp=ring_cp, layout=layout) for f in (zigzag.to_layout, zigzag.from_layout))
         out, (fwd, bwd) = fwd_bwd(fn, into(q), into(k), into(v), ct=into(do))
         out = jax.tree.map(back, out)
-    cfg = reference.ModelConfig(n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim)
+    cfg = reference.ModelConfig(n_heads=case.n_heads, n_kv_heads=case.n_kv_heads, head_dim=case.head_dim)
     size = functools.partial(mesh_lib.axis_size, mesh)
-    kw = dict(cfg=cfg, batch_size=batch_size, seq_len=seq_len, dtype=dtype, dp=size(DP), tp=size(TP))
+    kw = dict(cfg=cfg, batch_size=case.batch_size, seq_len=case.seq_len, dtype=case.dtype, dp=size(DP), tp=size(TP))
     if method == "ring":
         formula = functools.partial(formulas.ring_collectives, **kw, cp=size(CP), layout=layout, permute=permute)
     elif method == "ulysses":
@@ -110,7 +148,7 @@ def check_attention(method: str, *, layout: str = "contiguous", causal: bool = T
     start = time.perf_counter()
     m, mesh_note = default_mesh(two_d=method == "hybrid")
     B = 2 * mesh_lib.axis_size(m, DP)
-    run = run_attention(method, m, causal=causal, layout=layout, batch_size=B)
+    run = run_attention(method, m, AttentionCase(causal=causal, layout=layout, batch_size=B))
     errors, rule, within = run.compared
     name = {"ring": f"ring attention ({layout})", "ulysses": "Ulysses attention",
             "hybrid": f"2-D: Ulysses x ring ({layout})"}[method]

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxpar import mesh as mesh_lib
-from jaxpar.context.verify import run_attention
+from jaxpar.context.verify import AttentionCase, run_attention
 from jaxpar.testing import assert_close
 
 
@@ -44,7 +44,7 @@ def cases(draw):
 def test_context_attention_matches_reference_for_drawn_shapes(case):
     sizes = case.pop("sizes")
     devices = jax.devices()[:sizes["dp"] * sizes["cp"] * sizes.get("ucp", 1)]
-    run = run_attention(case.pop("method"), mesh_lib.make_mesh(**sizes, devices=devices), **case)
+    run = run_attention(case.pop("method"), mesh_lib.make_mesh(**sizes, devices=devices), AttentionCase(**case))
     assert_close(run.out, run.ref)
     assert run.forward == run.formula_forward
     assert run.backward == run.formula_backward

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import mesh as mesh_lib
 from jaxpar.collectives import ring_shift
 from jaxpar.context import blockwise, ring, zigzag
-from jaxpar.context.verify import attention_inputs, run_attention
+from jaxpar.context.verify import AttentionCase, attention_inputs, run_attention
 from jaxpar.testing import assert_close, max_abs_diff, tolerance, value_and_grads
 
 # (dp, cp, layout, causal, n_kv_heads, permute)
@@ -33,8 +33,9 @@ CASES = [
 
 @functools.cache
 def _run(dp, cp, layout, causal, kv, permute):
-    return run_attention("ring", mesh_lib.make_mesh(dp=dp, cp=cp), causal=causal, layout=layout, permute=permute,
-                         batch_size=8, seq_len=32, n_kv_heads=kv)
+    return run_attention("ring", mesh_lib.make_mesh(dp=dp, cp=cp),
+                         AttentionCase(causal=causal, layout=layout, permute=permute, batch_size=8, seq_len=32,
+                                       n_kv_heads=kv))
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -56,8 +57,8 @@ def test_ring_matches_reference_and_formula(case):
 def test_keys_in_chunks_and_the_halved_diagonal_change_nothing(dp, cp, layout, chunk):
     """Blocks of 6 (cp 8) to 48 (cp 1) local tokens cut into chunks of 1..5 keys, the
     diagonal halved down to them: chunks that divide, that do not (3 of 6 for 4), odd."""
-    run = run_attention("ring", mesh_lib.make_mesh(dp=dp, cp=cp), layout=layout, batch_size=2 * dp, seq_len=48,
-                        chunk=chunk)
+    run = run_attention("ring", mesh_lib.make_mesh(dp=dp, cp=cp),
+                        AttentionCase(layout=layout, batch_size=2 * dp, seq_len=48, chunk=chunk))
     assert_close(run.out, run.ref)
     assert run.forward == run.formula_forward and run.backward == run.formula_backward
 
@@ -85,8 +86,8 @@ def test_custom_backward_equals_autodiff_of_the_forward(cp, layout):
 
 @pytest.mark.parametrize("dp, cp, layout", [(2, 4, "zigzag"), (1, 8, "contiguous")])
 def test_float64_agrees_near_1e_13(x64, dp, cp, layout):
-    run = run_attention("ring", mesh_lib.make_mesh(dp=dp, cp=cp), layout=layout, batch_size=2 * dp,
-                        dtype=jnp.float64)
+    run = run_attention("ring", mesh_lib.make_mesh(dp=dp, cp=cp),
+                        AttentionCase(layout=layout, batch_size=2 * dp, dtype=jnp.float64))
     assert run.out[0].dtype == jnp.float64
     assert max_abs_diff(run.out, run.ref) < 1e-13
     assert_close(run.out, run.ref)
@@ -147,7 +148,7 @@ def test_logits_of_1e4_give_no_nan_and_match_the_reference():
     diagonal block halved DIAGONAL_DEPTH times) and once per merge; the reference's
     softmax normalises at once."""
     cp = 4
-    run = run_attention("ring", mesh_lib.make_mesh(dp=2, cp=cp), layout="zigzag", scale=100.0)
+    run = run_attention("ring", mesh_lib.make_mesh(dp=2, cp=cp), AttentionCase(layout="zigzag", scale=100.0))
     leaves = jax.tree.leaves(run.out)
     assert all(np.all(np.isfinite(np.asarray(x))) for x in leaves)
     q, k, v, do = attention_inputs(4, 32, 8, 2, 4, scale=100.0)
@@ -162,7 +163,8 @@ def test_logits_of_1e4_give_no_nan_and_match_the_reference():
 
 
 def test_heads_split_over_tp_as_well():
-    run = run_attention("ring", mesh_lib.make_mesh(cp=4, tp=2), layout="zigzag", batch_size=2, n_kv_heads=2)
+    run = run_attention("ring", mesh_lib.make_mesh(cp=4, tp=2), AttentionCase(layout="zigzag", batch_size=2,
+                                                                             n_kv_heads=2))
     assert_close(run.out, run.ref)
     assert run.forward == run.formula_forward and run.backward == run.formula_backward
 

@@ -12,7 +12,7 @@ from jaxpar import mesh as mesh_lib
 from jaxpar import reference
 from jaxpar.context import zigzag
 from jaxpar.context import ulysses
-from jaxpar.context.verify import attention_inputs, run_attention
+from jaxpar.context.verify import AttentionCase, attention_inputs, run_attention
 from jaxpar.testing import assert_close, max_abs_diff, value_and_grads
 
 # (dp, cp, n_kv_heads, causal): K split over cp (K % cp == 0) or repeated (cp % K == 0)
@@ -28,8 +28,8 @@ ULYSSES = [
 
 @functools.cache
 def _ulysses(dp, cp, kv, causal):
-    return run_attention("ulysses", mesh_lib.make_mesh(dp=dp, cp=cp), causal=causal, batch_size=2 * dp,
-                         n_kv_heads=kv)
+    return run_attention("ulysses", mesh_lib.make_mesh(dp=dp, cp=cp),
+                         AttentionCase(causal=causal, batch_size=2 * dp, n_kv_heads=kv))
 
 
 @pytest.mark.parametrize("case", ULYSSES, ids=str)
@@ -56,8 +56,8 @@ HYBRID = [
 @pytest.mark.parametrize("sizes, layout, kv, permute", HYBRID, ids=str)
 def test_hybrid_matches_reference_and_formula(sizes, layout, kv, permute):
     dp = sizes.get("dp", 1)
-    run = run_attention("hybrid", mesh_lib.make_mesh(**sizes), layout=layout, permute=permute, batch_size=2 * dp,
-                        n_kv_heads=kv)
+    run = run_attention("hybrid", mesh_lib.make_mesh(**sizes),
+                        AttentionCase(layout=layout, permute=permute, batch_size=2 * dp, n_kv_heads=kv))
     assert_close(run.out, run.ref)
     assert run.forward == run.formula_forward and run.backward == run.formula_backward
 
@@ -72,7 +72,8 @@ def test_ulysses_matches_jax_dot_product_attention():
 
 @pytest.mark.parametrize("method, sizes", [("ulysses", dict(dp=2, cp=4)), ("hybrid", dict(dp=2, cp=2, ucp=2))])
 def test_float64_agrees_near_1e_13(x64, method, sizes):
-    run = run_attention(method, mesh_lib.make_mesh(**sizes), layout="zigzag", batch_size=4, dtype=jnp.float64)
+    run = run_attention(method, mesh_lib.make_mesh(**sizes), AttentionCase(layout="zigzag", batch_size=4,
+                                                                            dtype=jnp.float64))
     assert max_abs_diff(run.out, run.ref) < 1e-13
     assert_close(run.out, run.ref)
 

@@ -187,19 +187,18 @@ def first_stage_bytes(block: Block, *, n_layers: int, seq_len: int, batch_size: 
                                    recompute=recompute) * float(in_flight)
 
 
-def stage_bytes(block: Block, *, layers: int, device: int, pp: int, in_flight: float, seq_len: int,
-                batch_size: int = 1, tp: int = 1, sp: bool = False, cp: int = 1, recompute: str = "none") -> float:
+def stage_bytes(per_layer: float, *, layers: int, device: int, pp: int, in_flight: float) -> float:
     """Activation bytes at its peak on pipeline device `device` (0 .. pp-1) holding `layers`
-    layers (its own count: uneven stages differ): `in_flight` is the first device's
-    microbatches in flight, in whole stages (`pipeline.formulas.in_flight`); device d of a
-    1F1B-like schedule holds p - d of the first one's p, so it is scaled by (pp - d)/pp.
-    With even stages the first device's is `first_stage_bytes`'s; with uneven ones the
-    peak may sit on a later, heavier device."""
+    layers (its own count: uneven stages differ) of `per_layer` bytes each (`layer_bytes`:
+    one layer's on one device, under its tp, sp, cp and recompute). `in_flight` is the
+    first device's microbatches in flight, in whole stages (`pipeline.formulas.in_flight`);
+    device d of a 1F1B-like schedule holds p - d of the first one's p, so it is scaled by
+    (pp - d)/pp. With even stages the first device's is `first_stage_bytes`'s; with uneven
+    ones the peak may sit on a later, heavier device."""
     errors.whole("layers", layers)
     errors.whole("pp", pp)
     if not is_whole(device) or not 0 <= device < pp:
         raise ConfigError(f"device={device!r}: a pipeline device 0 .. {pp - 1}")
     errors.number("in_flight", in_flight, fix="give the first stage's microbatches in flight, e.g. "
                   "pipeline.formulas.in_flight('1f1b', p=8, m=64) = 8")
-    return layers * layer_bytes(block, seq_len=seq_len, batch_size=batch_size, tp=tp, sp=sp, cp=cp,
-                                recompute=recompute) * float(in_flight) * (pp - device) / pp
+    return layers * per_layer * float(in_flight) * (pp - device) / pp

@@ -320,6 +320,8 @@ def _uneven_memory(model: Model, c: Candidate, *, m: int, seq_len: int, zero: in
     says); the device of the largest total."""
     counts = device_layers(c.layers_per_stage, c.pp, c.chunks)
     in_flight = pipeline_formulas.in_flight(c.schedule, p=c.pp, m=m, chunks=c.chunks)
+    per_layer = activations.layer_bytes(block(model, activation_model), seq_len=seq_len, batch_size=c.microbatch_size,
+                                        tp=c.tp, sp=c.tp > 1, cp=c.cp, recompute=c.recompute)
     edge = model.d_model * model.vocab                     # the embedding's, or the head's, parameters
     dense_layer = (model.dense_params - 2 * edge) / model.n_layers
     expert_layer = model.expert_params / model.n_layers
@@ -329,9 +331,7 @@ def _uneven_memory(model: Model, c: Candidate, *, m: int, seq_len: int, zero: in
         # state_bytes splits its counts over pp: this device's own, times pp
         st = states.state_bytes(dense=dense * c.pp, experts=held * expert_layer * c.pp, tp=c.tp, pp=c.pp,
                                 dp=c.dp, ep=c.ep, zero=zero)
-        act = activations.stage_bytes(block(model, activation_model), layers=held, device=d, pp=c.pp,
-                                      in_flight=in_flight, seq_len=seq_len, batch_size=c.microbatch_size, tp=c.tp,
-                                      sp=c.tp > 1, cp=c.cp, recompute=c.recompute)
+        act = activations.stage_bytes(per_layer, layers=held, device=d, pp=c.pp, in_flight=in_flight)
         devices.append({"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": act})
     peak = max(devices, key=lambda mem: sum(mem.values()))
     return {**peak, "total": sum(peak.values())}

@@ -5,7 +5,7 @@
 Runs on 8 fake CPU devices unless XLA_FLAGS sets another count. Opens with the pattern
 every technique follows, on the simplest one, data parallelism: a named mesh, the
 PartitionSpecs, a function written for one device's shard, `jax.shard_map`, the result
-against the unsharded reference (`jaxpar/reference.py`), and the compiled program's
+against the unsharded reference (`jaxpar/reference/`), and the compiled program's
 collectives read back by `comms.collective_stats` (one all-reduce of the gradients,
 counted and weighed). Then: bad input refused before any compute, each with a
 ConfigError naming the value, the constraint and a fix; the reference's loss and its

@@ -1,6 +1,6 @@
 """jaxpar.reference against JAX's own attention, small cases by hand, and a numpy twin.
 
-The numpy twin (`np_*` below) is written independently of reference.py, in float64, so
+The numpy twin (`np_*` below) is written independently of jaxpar/reference/, in float64, so
 the block, forward and loss are checked against something that shares no code with them.
 """
 

@@ -1,5 +1,5 @@
 """MoE load balancing in the composed model: the Switch/GShard balance loss and
-DeepSeek-V3's selection bias, each equal to the unsharded model's (`reference.py`
+DeepSeek-V3's selection bias, each equal to the unsharded model's (`jaxpar/reference/`
 defines both: per sequence, summed over layers).
 
 The balance loss, alpha * sum over layers of the mean over sequences of

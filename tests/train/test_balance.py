@@ -1,5 +1,5 @@
 """MoE load balancing in training: the balance loss and DeepSeek-V3's bias, on many
-meshes, equal the unsharded model computing the same terms (reference.py)."""
+meshes, equal the unsharded model computing the same terms (jaxpar/reference/)."""
 
 import dataclasses
 import functools

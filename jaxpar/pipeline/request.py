@@ -34,8 +34,8 @@ from jaxpar import errors
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import DP, PP, axis_size, pspec_axes, require_mesh
 from jaxpar.pipeline.schedule import Schedule
-from jaxpar.pipeline.plan import is_even, layer_split
 from jaxpar.pipeline.stage import layers, mse
+from jaxpar.pipeline.stage_layers import is_even, layer_split
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -51,7 +51,7 @@ class Request:
     Specs over the non-pp axes, one PartitionSpec per leaf: param_specs (one layer,
     without its layer axis), first_specs, last_specs, in_spec and target_spec.
     layers_per_stage: the layers of each model stage (p*v counts in model order: uneven
-    stages when they differ; `plan.layer_split`), the even split when not given.
+    stages when they differ; `stage_layers.layer_split`), the even split when not given.
     Found: n_layers, batch_axes (the axes of more than one device the batch is split
     over), loss_dtype, and `local`, the per-device shapes: params, first, last, one
     microbatch's inputs and targets, one stage's params."""
@@ -283,7 +283,7 @@ def _layer_count(params) -> int:
 
 def _layers_per_stage(layers_per_stage, n_layers: int, schedule: Schedule, stage_fn) -> tuple[int, ...]:
     """The layers of each of the p*v model stages: the even split, refused unless p*v
-    divides L, or `layers_per_stage` checked (`plan.layer_split`); uneven stages only with
+    divides L, or `layers_per_stage` checked (`stage_layers.layer_split`); uneven stages only with
     a `layers(layer_fn)` stage, whose layers the runtime can skip one by one."""
     n_stages = schedule.virtual_stages     # the model's stages: p devices x chunks each
     if layers_per_stage is None and (n_layers == 0 or n_layers % n_stages):

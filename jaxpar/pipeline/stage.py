@@ -29,8 +29,8 @@ import numpy as np
 
 from jaxpar import reference
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline.plan import is_even
 from jaxpar.pipeline.schedule import Schedule
+from jaxpar.pipeline.stage_layers import is_even
 
 
 class Grads(NamedTuple):
@@ -92,7 +92,7 @@ def to_stages(params, schedule: Schedule, layers_per_stage: tuple[int, ...] | No
     """[L, ...] leaves -> [p, v, Lc, ...]: entry [d, c] holds stage stage_of(d, c).
 
     Even stages (layers_per_stage None, or all alike): Lc = L/(p v). Uneven stages
-    (layers_per_stage: one count per model stage, checked by `plan.layer_split`): Lc is the
+    (layers_per_stage: one count per model stage, checked by `stage_layers.layer_split`): Lc is the
     largest count, and a stage of fewer layers holds them first and zeros after (padding
     the runtime skips: `padded_layers`)."""
     p, chunks = schedule.stages, schedule.chunks

@@ -19,7 +19,7 @@ import jax
 from jaxpar import errors, reference
 from jaxpar import mesh as mesh_lib
 from jaxpar.errors import ConfigError, is_whole
-from jaxpar.pipeline import orders, plan
+from jaxpar.pipeline import orders, stage_layers
 from jaxpar.pipeline import schedule as schedule_lib
 
 AXES = (mesh_lib.DP, mesh_lib.PP, mesh_lib.CP, mesh_lib.EP, mesh_lib.TP)   # mesh order: tp innermost (mesh.AXIS_ORDER)
@@ -177,13 +177,13 @@ class ParallelSpec:
         stages = self.pp * self.resolved_chunks
         if self.layers_per_stage is not None:
             try:
-                plan.layer_split(self.layers_per_stage, cfg.n_layers, stages)
+                stage_layers.layer_split(self.layers_per_stage, cfg.n_layers, stages)
             except ConfigError as e:
                 out.append(f"{e} (pp*chunks = {self.pp}*{self.resolved_chunks} model stages, n_layers={cfg.n_layers})")
         elif cfg.n_layers % stages:
             out.append(f"n_layers={cfg.n_layers} does not split into pp*chunks = {self.pp}*{self.resolved_chunks} "
                        f"= {stages} stages: use pp*chunks in ({errors.divisors(cfg.n_layers)}), or give "
-                       f"layers_per_stage, e.g. {plan.even_or_near(cfg.n_layers, stages) if cfg.n_layers >= stages else '(...)'}")
+                       f"layers_per_stage, e.g. {stage_layers.even_or_near(cfg.n_layers, stages) if cfg.n_layers >= stages else '(...)'}")
         tp = self.tp
         for name in ("n_heads", "vocab", "d_ff"):
             if getattr(cfg, name) % tp:

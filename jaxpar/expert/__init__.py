@@ -20,7 +20,7 @@ from jaxpar import lazy
 _EXPORTS = {
     "router": ("Routing", "balance_probs", "expert_load", "load_balancing_loss", "route", "sequence_balance_loss",
                "sequence_sums", "update_bias"),
-    "dispatch": ("MoEStats", "ep_moe", "ep_moe_shard", "positions"),
+    "dispatch": ("MoEOptions", "MoEStats", "ep_moe", "ep_moe_shard", "positions"),
     "formulas": ("balance_collectives", "balance_reduction", "capacity", "dispatch_bytes", "ep_moe_collectives",
                  "exercise_7"),
 }

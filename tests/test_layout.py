@@ -52,6 +52,7 @@ def test_the_scan_finds_a_late_import(tmp_path):
 @pytest.mark.parametrize("module", ["jaxpar.pipeline.schedule", "jaxpar.pipeline.formulas", "jaxpar.pipeline.plan",
                                     "jaxpar.pipeline.timing", "jaxpar.pipeline.published", "jaxpar.pipeline.search",
                                     "jaxpar.pipeline.interchange", "jaxpar.cli.schedule",
+                                    "jaxpar.pipeline.stage_layers",
                                     "jaxpar.tensor.formulas", "jaxpar.context.formulas", "jaxpar.context.zigzag",
                                     "jaxpar.expert.formulas", "jaxpar.data.formulas", "jaxpar.memory.activations", "jaxpar.memory.states",
                                     "jaxpar.planner.search", "jaxpar.planner.exercises", "jaxpar.cli.plan",

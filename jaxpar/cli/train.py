@@ -32,7 +32,7 @@ import json
 import re
 
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import orders, plan
+from jaxpar.pipeline import orders, stage_layers
 
 FLAGS = {"dp": "--mesh dp", "pp": "--mesh pp", "tp": "--mesh tp", "cp": "--mesh cp", "ep": "--mesh ep",
          "microbatches": "--microbatches", "batch_size": "--batch", "seq_len": "--seq", "n_layers": "--layers",
@@ -221,7 +221,7 @@ def main(args) -> int:
     from jaxpar.train import spec as spec_lib
 
     processes = check_distributed(args)
-    counts = None if args.layers_per_stage is None else plan.parse_layer_split(args.layers_per_stage)
+    counts = None if args.layers_per_stage is None else stage_layers.parse_layer_split(args.layers_per_stage)
     spec = spec_lib.parse(args.mesh, schedule=args.schedule, chunks=args.chunks, sequence_parallel=args.sp,
                           recompute=args.recompute, zero=args.zero, attention=args.attention, layout=args.layout,
                           microbatches=1, layers_per_stage=counts)

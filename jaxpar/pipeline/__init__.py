@@ -6,6 +6,7 @@ any of them as one SPMD program.
     orders     each schedule's device programs, the one registry of schedule names, deadlocks
     viz        ASCII timeline (the lecture's alphabet), PNG, Chrome/Perfetto trace
     plan       a schedule as the integer tables the runtime indexes (a Row per step and device)
+    stage_layers  how many layers each model stage holds (uneven stages): checked, proposed, parsed
     formulas   bubble fractions, microbatches in flight, the collectives of one step, bubble
                times with comm (pure Python)
     timing     a schedule's order timed with measured costs: F, B, W per stage, comm on every
@@ -32,6 +33,6 @@ any of them as one SPMD program.
 >>> loss, grads = runtime.run(s, runtime.layers(layer_fn), params, (inputs, targets), mesh=m)
 
 Importing this package imports nothing: `schedule`, `stats`, `orders`, `viz`, `plan`,
-`formulas`, `timing`, `published`, `search` and `interchange` never import JAX, so
+`formulas`, `timing`, `published`, `search`, `interchange` and `stage_layers` never import JAX, so
 `jaxpar schedule` starts at once.
 """

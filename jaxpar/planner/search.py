@@ -27,7 +27,7 @@ import math
 
 from jaxpar.errors import ConfigError
 from jaxpar.memory import activations
-from jaxpar.pipeline import orders, plan
+from jaxpar.pipeline import orders, stage_layers
 from jaxpar.planner.catalog import Model
 from jaxpar.planner.estimate import (ACTIVATIONS, Candidate, Cluster, balanced_split, block, bubble_and_slowest,
                                      head_cost, memory_per_gpu, pipeline_span, sequences, split_label, step_times)
@@ -98,7 +98,7 @@ def _broken_rules(model: Model, cluster: Cluster, c: Candidate, *, n_seq: int, m
         reasons.append(str(e))
     if c.layers_per_stage is not None:
         try:
-            plan.layer_split(c.layers_per_stage, model.n_layers, c.pp * c.chunks)
+            stage_layers.layer_split(c.layers_per_stage, model.n_layers, c.pp * c.chunks)
         except ConfigError as e:
             reasons.append(str(e))
     if seq_len % (c.cp * c.tp):
@@ -162,7 +162,7 @@ def best(model: Model, cluster: Cluster, *, tokens, seq_len: int, zero: int = 1,
 @dataclasses.dataclass(frozen=True)
 class Split:
     """A proposed uneven split for a candidate: the balanced one and, to compare, the
-    nearest to even (`plan.even_or_near`), both estimated with per-stage costs."""
+    nearest to even (`stage_layers.even_or_near`), both estimated with per-stage costs."""
     layers_per_stage: tuple[int, ...]
     head_cost: float              # the LM head, in layers
     balanced: Estimate
@@ -185,7 +185,7 @@ def propose_split(model: Model, cluster: Cluster, cand: Candidate, *, tokens, se
     estimate = lambda counts: evaluate(model, cluster, dataclasses.replace(cand, layers_per_stage=counts),
                                        tokens=tokens, seq_len=seq_len, zero=zero, activation_model=activation_model)
     return Split(layers_per_stage=split, head_cost=cost, balanced=estimate(split),
-                 near_even=estimate(plan.even_or_near(model.n_layers, stages)))
+                 near_even=estimate(stage_layers.even_or_near(model.n_layers, stages)))
 
 
 def parse_split(text: str, *, model: Model, stages: int, seq_len: int, chunks: int = 1) -> tuple[int, ...]:

@@ -162,18 +162,28 @@ class ParallelSpec:
     def problems(self, cfg: reference.ModelConfig, *, batch_size: int, seq_len: int,
                  n_devices: int | None = None) -> list[str]:
         """Every constraint this spec, `cfg` and a batch [batch_size, seq_len + 1] of token
-        ids violate, each naming the values and a fix (empty: it fits)."""
-        out = []
+        ids violate, each naming the values and a fix (empty: it fits): the device count,
+        the layers over the stages, the model's sizes over tp and ep, the batch and the
+        sequence over the mesh, and the schedule."""
         if not isinstance(cfg, reference.ModelConfig):
             return [f"cfg is a {type(cfg).__name__}, not a reference.ModelConfig"]
-        for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-            if not is_whole(value) or value < 1:
-                out.append(f"{name}={value!r} must be a whole number >= 1")
+        out = [f"{name}={value!r} must be a whole number >= 1"
+               for name, value in (("batch_size", batch_size), ("seq_len", seq_len)) if not is_whole(value) or value < 1]
         if out:
             return out
         if n_devices is not None and n_devices != self.devices:
             out.append(f"the mesh needs dp*pp*cp*ep*tp = {self.devices} devices, {n_devices} are available: "
                        f"choose sizes whose product is {n_devices}")
+        out += self._layer_problems(cfg) + self._model_problems(cfg) + self._batch_problems(cfg, batch_size, seq_len)
+        try:
+            self.make_schedule()
+        except ConfigError as e:
+            out.append(f"schedule: {e}")
+        return out
+
+    def _layer_problems(self, cfg: reference.ModelConfig) -> list[str]:
+        """The layers over the pp*chunks model stages: evenly, or as layers_per_stage says."""
+        out = []
         stages = self.pp * self.resolved_chunks
         if self.layers_per_stage is not None:
             try:
@@ -184,6 +194,11 @@ class ParallelSpec:
             out.append(f"n_layers={cfg.n_layers} does not split into pp*chunks = {self.pp}*{self.resolved_chunks} "
                        f"= {stages} stages: use pp*chunks in ({errors.divisors(cfg.n_layers)}), or give "
                        f"layers_per_stage, e.g. {stage_layers.even_or_near(cfg.n_layers, stages) if cfg.n_layers >= stages else '(...)'}")
+        return out
+
+    def _model_problems(self, cfg: reference.ModelConfig) -> list[str]:
+        """The model's sizes over tp (heads, KV heads, vocabulary, d_ff) and ep (experts)."""
+        out = []
         tp = self.tp
         for name in ("n_heads", "vocab", "d_ff"):
             if getattr(cfg, name) % tp:
@@ -199,12 +214,17 @@ class ParallelSpec:
         if cfg.n_experts and cfg.n_experts % self.ep:
             out.append(f"n_experts={cfg.n_experts} is not divisible by ep={self.ep}: each ep device owns E/ep "
                        f"whole experts. Fix: ep in ({errors.divisors(cfg.n_experts)})")
+        return out
+
+    def _batch_problems(self, cfg: reference.ModelConfig, batch_size: int, seq_len: int) -> list[str]:
+        """The batch over dp*ep*microbatches, the sequence over cp (zigzag) and SP's tp, and
+        Ulysses' heads over cp."""
+        out = []
+        tp = self.tp
         rows = self.dp * self.ep * self.microbatches
         if batch_size % rows:
             out.append(f"batch_size={batch_size} does not split into dp*ep*microbatches = {self.dp}*{self.ep}*"
                        f"{self.microbatches} = {rows}: use a multiple of {rows}")
-        if seq_len < 1:
-            out.append(f"seq_len={seq_len}: give at least 1 position to predict")
         per = self.cp * (2 if self.layout == "zigzag" and self.cp > 1 else 1) * (tp if self.sequence_parallel else 1)
         if seq_len % per:
             why = " x ".join(w for w in (f"cp={self.cp}", "2 (zigzag: two chunks per rank)" if per % 2 == 0 and
@@ -220,10 +240,6 @@ class ParallelSpec:
                 out.append(f"Ulysses over cp={self.cp} splits each tp device's {kv} KV heads cp ways or repeats "
                            f"each cp/{kv} times, so one of cp and {kv} must divide the other: use cp in "
                            f"({errors.divisors(kv)}) or a multiple of {kv}, or attention='ring'")
-        try:
-            self.make_schedule()
-        except ConfigError as e:
-            out.append(f"schedule: {e}")
         return out
 
     def check(self, cfg: reference.ModelConfig, *, batch_size: int, seq_len: int, n_devices: int | None = None):

@@ -18,6 +18,7 @@ any of them as one SPMD program.
     interchange  torch.pipelining's CSV schedule format, both ways
     stage      what a stage is: layers(...), Grads, losses, the layer layout
     request    Request: one step's functions, shapes, specs and options, checked once
+    local_shapes  what each device sees: the batch and the specs checked against the mesh
     passes     one stage's F, B and W: layers scanned, weight gradients added in place,
                the parameters never stored between F and B
     program    the per-device program: one lax.scan over the plan, sends as guarded ppermutes

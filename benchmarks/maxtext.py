@@ -82,6 +82,12 @@ SIZES = {
                                    vocab=1024, mlp="swiglu", rope_theta=10000.0),
 }
 EXPERTS, TOP_K = 8, 2
+# what each side keeps between the forward and the backward: MaxText's remat_policy=minimal
+# keeps its projections' outputs by name (query, key, value and out projections, the MLP's
+# wi and wo), jaxpar's recompute="dots" every matmul without batch dimensions (the same
+# ones) and the collectives' outputs (MaxText's partitioner places its collectives after
+# rematerialisation); both recompute norms, attention scores and softmax, activations
+REMAT = {"maxtext": "minimal", "jaxpar": "dots"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +159,7 @@ def maxtext_args(mesh: Mesh, size: str, steps: int, run_name: str, output_dir: s
     """MaxText's key=value arguments (after base.yml) for one run."""
     fixed = {"hardware": "cpu", "skip_jax_distributed_system": "true", "dataset_type": "synthetic",
              "enable_checkpointing": "false", "jax_cache_dir": "", "log_period": 1, "enable_tensorboard": "false",
-             "dtype": "float32", "weight_dtype": "float32", "remat_policy": "minimal", "packing": "false",
+             "dtype": "float32", "weight_dtype": "float32", "remat_policy": REMAT["maxtext"], "packing": "false",
              "attention": "dot_product", "enable_dropout": "false", "run_name": run_name,
              "base_output_directory": output_dir, "max_target_length": SEQ,
              "per_device_batch_size": BATCH // DEVICES, "steps": steps, "learning_rate": LR,
@@ -303,7 +309,7 @@ def run_jaxpar(mesh: Mesh, size: str, steps: int, workdir: str, round_index: int
 def jaxpar_unavailable(mesh: Mesh) -> str | None:
     """Why jaxpar cannot run `mesh`'s spec here (None: it can), found without compiling."""
     try:
-        ParallelSpec(**mesh.jaxpar)
+        ParallelSpec(**mesh.jaxpar, recompute=REMAT["jaxpar"])
     except ConfigError as error:
         zero = mesh.jaxpar.get("zero", 0)
         if zero and f"zero={zero}" in str(error):
@@ -345,7 +351,8 @@ def jaxpar_worker(mesh: Mesh, size: str, steps: int) -> dict:
     """{"seconds", "losses", "memory_bytes"}: `steps` steps of the Trainer on one repeated
     batch, each timed until its loss is on the host; memory from the compiled step."""
     cfg = model_config(size, mesh.moe)
-    trainer = Trainer(cfg, ParallelSpec(**mesh.jaxpar), optim_config(steps), batch_size=BATCH, seq_len=SEQ)
+    trainer = Trainer(cfg, ParallelSpec(**mesh.jaxpar, recompute=REMAT["jaxpar"]), optim_config(steps),
+                      batch_size=BATCH, seq_len=SEQ)
     stats = trainer.compiled.memory_analysis()
     memory_bytes = int(stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
                        - stats.alias_size_in_bytes)

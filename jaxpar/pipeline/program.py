@@ -247,8 +247,8 @@ class _Step:
         and d loss / d stage input [mb, ...], for the previous stage."""
         row, m = Row(*entry), self.program.plan.schedule.microbatches
         slot = row.res_read
-        operands = Backward(g=take(carry.g, row.g_read), stored=[take(r, slot) for r in carry.res],
-                            kept=take(carry.gw, slot) if self.split else None, grads=carry.grads,
+        operands = Backward(g=take(carry.g, row.g_read), stored=carry.res,
+                            kept=carry.gw if self.split else None, grads=carry.grads,
                             first=carry.first, ids=take(self.inputs, row.b_microbatch), entry=entry)
         branches = [lambda op: varying(self._backward_idle(op), self.axes), self._backward]
         out = jax.lax.switch(row.b_branch, branches + ([self._weight] if self.split else []), operands)
@@ -270,7 +270,8 @@ class _Step:
     # collectives of each branch exactly: the plan knows how often each runs on each device
     def _backward(self, op: Backward) -> BackwardOut:
         with jax.named_scope("pipeline_B"):
-            dx, grads, kept = self.program.passes.backward(self.params, op.row.b_chunk, op.stored, op.g, op.grads,
+            stored = [take(r, op.row.res_read) for r in op.stored]
+            dx, grads, kept = self.program.passes.backward(self.params, op.row.b_chunk, stored, op.g, op.grads,
                                                            weights=not self.split, layout=self.residuals.layout)
             on_first = op.row.dx_write < self.program.plan.schedule.microbatches
             with jax.named_scope("pipeline_first_backward"):
@@ -281,7 +282,8 @@ class _Step:
 
     def _weight(self, op: Backward) -> BackwardOut:
         with jax.named_scope("pipeline_W"):
-            grads = self.program.passes.weight(self.params, op.row.b_chunk, op.stored, op.kept, op.grads,
+            stored = [take(r, op.row.res_read) for r in op.stored]
+            grads = self.program.passes.weight(self.params, op.row.b_chunk, stored, take(op.kept, op.row.res_read), op.grads,
                                                layout=self.residuals.layout)
             return varying(self._backward_idle(op._replace(grads=grads)), self.axes)
 

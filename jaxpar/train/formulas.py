@@ -154,7 +154,7 @@ def stage_collectives(*, cfg, spec, batch_size: int, seq_len: int, dtype, runs: 
     kw = dict(cfg=cfg, spec=spec, batch_size=batch_size, seq_len=seq_len, dtype=dtype)
     fwd, bwd = layer_collectives(**kw), layer_collectives(**kw, backward=True)
     total = _times(fwd, depth * runs["pipeline_F"]) + _times(bwd, depth * runs["pipeline_B"])
-    if spec.recompute:
+    if spec.recompute is True:
         again = _times(fwd, depth)
         if depth == 1:
             again = again + _times(_output_only(**kw), -1)
@@ -171,7 +171,7 @@ def stage_collectives(*, cfg, spec, batch_size: int, seq_len: int, dtype, runs: 
         # or under recompute B's rerun (F then keeps only the stage's input)
         balance = ep_formulas.balance_collectives(cfg=cfg, batch_size=_rows(spec, batch_size), seq_len=seq_len,
                                                   dtype=dtype, cp=spec.cp)
-        total = total + _times(balance, depth * runs["pipeline_B" if spec.recompute else "pipeline_F"])
+        total = total + _times(balance, depth * runs["pipeline_B" if spec.recompute is True else "pipeline_F"])
     total = total + _times(embedding(**kw), runs["pipeline_first"])
     total = total + _times(embedding(**kw, backward=True), runs["pipeline_first_backward"])
     return total + _times(head(**kw), runs["pipeline_loss"])

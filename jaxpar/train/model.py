@@ -212,6 +212,24 @@ def _head(last: dict, y, targets, *, eps: float, sp: bool):
                               sequence_parallel=sp)
 
 
+# what recompute="dots" keeps; a collective's output is kept, so B runs none again
+_KEPT = ("psum", "all_gather", "reduce_scatter", "all_to_all", "ragged_all_to_all", "ppermute", "custom_vjp_call")
+
+
+def keep_dots(prim, *_, **params) -> bool:
+    """The jax.checkpoint policy of recompute="dots": keep the output of a matmul without
+    batch dimensions (the projections, the MLP's and the experts' matrices: the outputs
+    MaxText's remat_policy=minimal keeps by name; JAX's checkpoint_dots_with_no_batch_dims), of a collective and
+    of a custom-vjp function (ring attention, whose forward sends K/V round the ring);
+    recompute the rest in B: the norms, rotary embedding, attention scores and softmax, the
+    activation function. F then stores about half the bytes, and B's recompute is
+    elementwise work and attention's two batched matmuls."""
+    if prim.name == "dot_general":
+        (_, _), (lhs_batch, rhs_batch) = params["dimension_numbers"]
+        return not lhs_batch and not rhs_batch
+    return prim.name.startswith(_KEPT)
+
+
 @functools.cache
 def shard_fns(cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int, batch_size: int | None = None):
     """(stage_fn, first_fn, loss_fn) per shard, one object each per (cfg, spec, seq_len,
@@ -223,6 +241,8 @@ def shard_fns(cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int, batc
     # ZeRO-3: each function gathers its weights over dp on entry, and again in its backward
     dims = zero3_dims(cfg, spec)
     block = functools.partial(_block, cfg=cfg, spec=spec, seq_len=seq_len, batch_size=batch_size)
+    if spec.recompute == "dots":     # inside the ZeRO-3 gather: its backward gathers the weights again
+        block = jax.checkpoint(block, policy=keep_dots)
     stage = runtime.layers(zero.gathered(block, dims["blocks"]))
     sp = spec.sequence_parallel
     return (stage, zero.gathered(functools.partial(_embed, sp=sp), dims["first"]),

@@ -25,6 +25,7 @@ from jaxpar.pipeline import schedule as schedule_lib
 AXES = (mesh_lib.DP, mesh_lib.PP, mesh_lib.CP, mesh_lib.EP, mesh_lib.TP)   # mesh order: tp innermost (mesh.AXIS_ORDER)
 ATTENTION = ("ring", "ulysses")
 LAYOUTS = ("contiguous", "zigzag")
+RECOMPUTE = (False, True, "dots")   # keep every residual, only each stage's input, or matmuls and collectives
 ZERO = (0, 1, 2, 3)           # ZeRO stages: what is sharded over dp (data.zero)
 
 
@@ -32,7 +33,10 @@ ZERO = (0, 1, 2, 3)           # ZeRO stages: what is sharded over dp (data.zero)
 class ParallelSpec:
     """dp, pp, tp, cp, ep: the mesh. schedule, chunks (model chunks per device; None:
     the schedule's own), microbatches: the pipeline. sequence_parallel: Megatron's SP on
-    the tp axis. recompute: keep only each stage's input between F and B. zero: 0, 1
+    the tp axis. recompute: False (keep every residual of F for B), True (keep only each
+    stage's input, run F again in B) or "dots" (keep the outputs of the matmuls without
+    batch dimensions and of the collectives, recompute the rest in B: MaxText's
+    remat_policy=minimal, with no collective run again). zero: 0, 1
     (ZeRO-1: optimizer state sharded over dp), 2 (ZeRO-2: and the gradients; in one
     compiled step the same program as 1) or 3 (ZeRO-3 / FSDP: and the weights, gathered
     layer by layer; not with recompute or a split backward). attention: ring or ulysses
@@ -50,7 +54,7 @@ class ParallelSpec:
     chunks: int | None = None
     microbatches: int = 1
     sequence_parallel: bool = False
-    recompute: bool = False
+    recompute: bool | str = False
     zero: int = 0
     attention: str = "ring"
     layout: str = "contiguous"
@@ -66,9 +70,12 @@ class ParallelSpec:
                 problems.append(f"{name}={value!r} must be a whole number in 1..{mesh_lib.MAX_DEVICES}")
         if self.chunks is not None and (not is_whole(self.chunks) or not 1 <= self.chunks <= 64):
             problems.append(f"chunks={self.chunks!r} must be None (the schedule's own) or a whole number in 1..64")
-        for name in ("sequence_parallel", "recompute"):
-            if not isinstance(getattr(self, name), bool):
-                problems.append(f"{name}={getattr(self, name)!r} must be True or False")
+        if not isinstance(self.sequence_parallel, bool):
+            problems.append(f"sequence_parallel={self.sequence_parallel!r} must be True or False")
+        if not any(self.recompute is r or (isinstance(r, str) and self.recompute == r) for r in RECOMPUTE):
+            problems.append(f"recompute={self.recompute!r} must be False (keep every residual), True (keep each "
+                            "stage's input, run F again in B) or 'dots' (keep the matmuls' and collectives' "
+                            "outputs, recompute the rest)")
         if self.zero not in ZERO or isinstance(self.zero, bool):
             problems.append(f"zero={self.zero!r} must be one of {', '.join(map(str, ZERO))}: 0 (replicated "
                             "optimizer state), 1 (ZeRO-1: the optimizer state sharded over dp), 2 (ZeRO-2: and "
@@ -133,7 +140,7 @@ class ParallelSpec:
                  "layers " + "/".join(map(str, self.layers_per_stage)) if self.uneven else None, "sp" if self.sequence_parallel else None,
                  f"zero{self.zero}" if self.zero else None, self.attention if self.cp > 1 else None,
                  self.layout if self.cp > 1 and self.layout != "contiguous" else None,
-                 "recompute" if self.recompute else None]
+                 {True: "recompute", "dots": "recompute dots"}.get(self.recompute)]
         return " x ".join(parts) + "".join(f" {e}" for e in extra if e)
 
     def make_schedule(self) -> schedule_lib.Schedule:

@@ -129,7 +129,7 @@ class Trainer:
                        CP if spec.cp > 1 else None)
         self.local = runtime.local(
             self.schedule, stage_fn, shapes["blocks"], (ids, ids), mesh=self.mesh, loss_fn=loss_fn,
-            recompute=spec.recompute, input_grads=False, param_specs=layer_pspecs, batch_spec=batch_spec,
+            recompute=spec.recompute is True, input_grads=False, param_specs=layer_pspecs, batch_spec=batch_spec,
             first_fn=first_fn, first_params=shapes["first"], first_specs=first_pspecs, last_params=shapes["last"],
             last_specs=last_pspecs, layers_per_stage=spec.layers_per_stage if spec.pp > 1 else None)
         # the stage layout's padding with uneven stages (None: even, no padding)
@@ -265,7 +265,10 @@ class Trainer:
         own = zero.slice_params(params, zero_dims) if sharded_state else params       # ZeRO-1: a dp-th
         updates, opt = self.tx.update(grads, state.opt, own)
         new = optax.apply_updates(own, updates)
-        new = zero.gather_params(new, zero_dims) if sharded_state else new
+        if sharded_state:
+            if self.cfg.router_bias:     # update_bias drops the optimizer's update of it: nothing to gather
+                zero_dims = {**zero_dims, "blocks": {**zero_dims["blocks"], "router_bias": -1}}
+            new = zero.gather_params(new, zero_dims)
         if load is not None:
             new = balance.update_bias(new, params, load, self.cfg)
         return new, opt, norm

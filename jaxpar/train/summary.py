@@ -72,8 +72,10 @@ def expected_reductions(trainer) -> dict[int, float]:
         add(w.split + ((DP,) if w.zero else ()), w.itemsize)      # the norm: one scalar per weight
     add(batch_axes + pp, jnp.dtype(trainer.dtype).itemsize)       # the loss
     cfg = trainer.cfg
-    if cfg.n_experts:   # load balancing's statistics of this device's layers, once a step
-        balance = ep_formulas.balance_reduction(cfg=cfg, layers=cfg.n_layers // spec.pp, dtype=trainer.dtype,
+    if cfg.n_experts:   # load balancing's statistics of this device's layers, once a step: every
+        # chunk's stack, padded to the deepest with uneven stages (a padding layer's are zeros)
+        layers = spec.resolved_chunks * trainer.local.request.depth if spec.pp > 1 else cfg.n_layers
+        balance = ep_formulas.balance_reduction(cfg=cfg, layers=layers, dtype=trainer.dtype,
                                                 **{a: sizes[a] for a in (DP, EP, CP, TP)})
         for n, nbytes in balance.items():
             out[n] = out.get(n, 0.0) + nbytes
@@ -87,7 +89,14 @@ def expected_zero(trainer) -> dict[str, float]:
     ranks (one device each)."""
     if trainer.spec.zero == 3:
         return _sum_ranks(expected_zero3_by_rank(trainer))
-    return data_formulas.zero_bytes(_weights(trainer), dp=trainer.spec.dp)
+    out = data_formulas.zero_bytes(_weights(trainer), dp=trainer.spec.dp)
+    dims = trainer.zero_dims["blocks"]
+    if trainer.cfg.router_bias and dims.get("router_bias", -1) >= 0:   # its update is dropped, not gathered
+        key = "router_bias"
+        bias = weights({key: trainer.shapes["blocks"][key]}, {key: trainer.param_specs["blocks"][key]},
+                       sizes=trainer.mesh.shape, zero_dims={key: dims[key]})
+        out["all-gather"] -= data_formulas.zero_bytes(bias, dp=trainer.spec.dp)["all-gather"]
+    return out
 
 
 def _sum_ranks(by_rank: dict) -> dict[str, float]:

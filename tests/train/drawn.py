@@ -6,7 +6,8 @@ KV-head count down to one (MQA), head_dim, d_ff, vocab, GeLU or SwiGLU, RoPE on 
 dense or an MoE of 4-8 experts with top-1 or top-2, a softmax or sigmoid router, with or
 without the balance loss and DeepSeek-V3's selection bias), a `ParallelSpec` over at most 8
 devices (dp, pp, tp, cp, ep of any size whose product is <= 8, odd sizes included; every
-registered schedule with microbatches and chunks it accepts; SP, recompute, ZeRO 0-3
+registered schedule with microbatches and chunks it accepts; SP, recompute (none, all, or
+matmuls and collectives kept), ZeRO 0-3
 where the spec accepts it, ring or Ulysses, both token layouts, even or uneven layers per
 stage) and a batch and a sequence length, built to satisfy the
 divisibility rules and then filtered by `problems()` itself, so whatever it accepts may
@@ -83,17 +84,17 @@ def configurations(draw, family: str = "any") -> Drawn:
     attention = draw(st.sampled_from(["ring", "ulysses"])) if cp > 1 else "ring"
     layout = draw(st.sampled_from(["contiguous", "zigzag"])) if cp > 1 else "contiguous"
     sp = draw(st.booleans()) if tp > 1 else False
-    recompute = draw(st.booleans())
-    # ZeRO-3 refuses recompute and a split backward (ParallelSpec): drawn where it fits
+    recompute = draw(st.sampled_from([False, True, "dots"]))
+    # ZeRO-3 refuses recompute=True and a split backward (ParallelSpec): drawn where it fits
     split = pp > 1 and orders.lookup(name).split_backward
-    zero = draw(st.sampled_from([0, 1, 2] if recompute or split else [0, 1, 2, 3]))
+    zero = draw(st.sampled_from([0, 1, 2] if recompute is True or split else [0, 1, 2, 3]))
     spec = ParallelSpec(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, schedule=name, chunks=chunks, microbatches=m,
                         sequence_parallel=sp, recompute=recompute, zero=zero, attention=attention, layout=layout)
     stages = pp * spec.resolved_chunks        # deeper stacks add compile time, not coverage: <= 2 layers a stage
-    # uneven stages where the spec takes them (not ZeRO-3, not recompute with tp, cp or ep
-    # above 1): each stage 1 or 2 layers, at least one of each; past 4 stages one stage of 2
+    # uneven stages where the spec takes them (not ZeRO-3, not recompute=True with tp, cp or
+    # ep above 1): each stage 1 or 2 layers, at least one of each; past 4 stages one stage of 2
     layer_counts = None
-    if pp > 1 and zero != 3 and not (recompute and tp * cp * ep > 1) and draw(st.booleans()):
+    if pp > 1 and zero != 3 and not (recompute is True and tp * cp * ep > 1) and draw(st.booleans()):
         if stages <= 4:
             layer_counts = tuple(draw(st.lists(st.sampled_from([1, 2]), min_size=stages, max_size=stages)
                                       .filter(lambda counts: len(set(counts)) == 2)))

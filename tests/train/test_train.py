@@ -130,6 +130,7 @@ def test_every_violated_constraint_is_listed():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(dp=0), "dp=0"), (dict(tp=2.0), "tp=2.0"), (dict(zero=4), "zero=4"), (dict(schedule="nope"), "schedule"),
     (dict(attention="flash"), "attention"), (dict(layout="spiral"), "layout"), (dict(recompute=1), "recompute"),
+    (dict(recompute="full"), "recompute='full'"), (dict(recompute="DOTS"), "recompute"),
     (dict(microbatches=True), "microbatches"), (dict(dp=1 << 20), "dp="),
 ])
 def test_bad_specs_are_refused(kwargs, match):

@@ -14,7 +14,9 @@ parameter after the last step; and the step's collectives against the formulas. 
           get_partition_spec reads them), an MoE's experts split over ep;
   demo 3  the lesson's state checkpointed at step 10, steps 10-19 with `fit` and the run's
           summary: tokens/s, memory per device from the compiled step, the collectives of
-          one step against the formulas; the checkpoint restored on pp4 x tp2, bit for bit.
+          one step against the formulas; the checkpoint restored on pp4 x tp2, bit for bit;
+  demo 4  recompute="dots": F keeps the matmuls' and collectives' outputs, B recomputes
+          the rest; the same collectives, less compiled memory, the same training.
 The same on eight meshes (context parallelism, Ulysses, MoE over ep, ZeRO-1, interleaved
 and DualPipe-V pipelines): `jaxpar verify train`, tests/train/test_train.py; training from
 the command line: `jaxpar train --mesh dp=2,pp=2,tp=2 --steps 200`.
@@ -35,7 +37,7 @@ from flax import nnx  # noqa: E402
 from jaxpar import reference  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
 from jaxpar.train import Checkpoints, Corpus, LanguageModel, OptimConfig, ParallelSpec, Trainer, fit  # noqa: E402
-from jaxpar.train import reference_trainer, summary  # noqa: E402
+from jaxpar.train import reference_trainer, summary, verify  # noqa: E402
 
 # a small Llama-style decoder: RoPE, grouped-query attention, SwiGLU
 CFG = reference.ModelConfig(n_layers=4, d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=32, mlp="swiglu",
@@ -121,6 +123,24 @@ def demo_checkpoint(trainer, state, saved, directory):
           f"{'ok' if same else 'FAILED'}; fit(other, steps=20, state=...) trains on from there")
 
 
+def demo_recompute_dots():
+    """The lesson's spec with recompute="dots" against recompute=False: 3 steps against
+    the unsharded model, the collectives of one step, the compiled memory per device."""
+    print("\n== demo 4: recompute=\"dots\": F keeps the matmuls' and collectives' outputs, B recomputes the rest ==")
+    memory = {}
+    for recompute in (False, "dots"):
+        spec = dataclasses.replace(SPEC, recompute=recompute)
+        trainer = Trainer(CFG, spec, OPTIM, batch_size=B, seq_len=T)
+        c = summary.collectives(trainer, trainer.compiled)
+        memory[recompute] = trainer.compiled.memory_analysis().temp_size_in_bytes
+        print(f"  recompute={recompute!r:<7} temporaries {memory[recompute] / 1024:6.0f} KiB per device; collectives "
+              f"equal to the formulas (none run again in B): {'ok' if summary.matches(c) else 'FAILED'}")
+    r = verify.parity(dataclasses.replace(SPEC, recompute="dots"), CFG, steps=3, batch_size=B, seq_len=T, optim=OPTIM)
+    error = max(r.errors.values())
+    print(f"  dots holds {memory['dots'] / memory[False]:.2f}x the temporaries; 3 steps against the unsharded model: "
+          f"max relative error {error:.1e} (tolerance 1e-5): {'ok' if error <= 1e-5 else 'FAILED'}")
+
+
 if __name__ == "__main__":
     print(f"{len(jax.devices())} {jax.devices()[0].platform} devices\n")
     trainer, state, saved = lesson()
@@ -128,3 +148,4 @@ if __name__ == "__main__":
     demo_nnx()
     with tempfile.TemporaryDirectory() as directory:
         demo_checkpoint(trainer, state, saved, directory)
+    demo_recompute_dots()

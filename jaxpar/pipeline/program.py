@@ -106,8 +106,8 @@ class ForwardOut(NamedTuple):
 class Backward(NamedTuple):
     """What the backward lane's branches read."""
     g: jax.Array            # [mb, ...] the output gradient
-    stored: list            # the residuals of this action's F
-    kept: jax.Array | None  # the output gradients a split B kept for this W
+    stored: list            # the residual buffers [n_res + 1, ...]; slot row.res_read holds this action's F's
+    kept: jax.Array | None  # the buffer of the output gradients split Bs kept (gw), read at row.res_read
     grads: Any              # [v, Lc, ...] the weight-gradient accumulator
     first: Any              # the first-stage gradient accumulator
     ids: jax.Array          # [mb, ...] the microbatch's inputs (stage 0's first-stage vjp)
@@ -246,7 +246,8 @@ class _Step:
         gw[gw_write] and d loss / d inputs [mb, ...] to dx[dx_write]. Returns the carry
         and d loss / d stage input [mb, ...], for the previous stage."""
         row, m = Row(*entry), self.program.plan.schedule.microbatches
-        slot = row.res_read
+        # the residual buffers go in whole and B (or W) reads its slot inside its branch: a
+        # buffer a conditional only reads is not copied, and an idle step reads nothing
         operands = Backward(g=take(carry.g, row.g_read), stored=carry.res,
                             kept=carry.gw if self.split else None, grads=carry.grads,
                             first=carry.first, ids=take(self.inputs, row.b_microbatch), entry=entry)

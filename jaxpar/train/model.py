@@ -112,7 +112,8 @@ def zero3_dims(cfg: reference.ModelConfig, spec: ParallelSpec) -> dict:
     """{"blocks": {name: dimension of one layer's weight}, "first": {...}, "last": {...}}:
     the dimension ZeRO-3 stores each weight split along over dp (`data.zero.plan` of its
     local shard under `stage_pspecs`; -1: whole). All -1 unless spec.zero == 3. The router
-    bias stays whole: the bias rule moves it from the whole load, not AdamW from a gradient.
+    bias stays whole: the bias rule moves it from the whole load, not AdamW from a gradient;
+    so does every vector (a norm's gain).
     The trainer's state lays the blocks out [pp, v, Lc, ...]: there a dimension is 3 more."""
     shapes = split(jax.eval_shape(lambda: reference.init_params(jax.random.key(0), cfg)))
     layer = {k: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for k, a in shapes["blocks"].items()}
@@ -123,6 +124,14 @@ def zero3_dims(cfg: reference.ModelConfig, spec: ParallelSpec) -> dict:
             "last": zero.plan(shapes["last"], last_pspecs, sizes=sizes)}
     if "router_bias" in dims["blocks"]:
         dims["blocks"]["router_bias"] = -1
+    # a vector (a norm's gain: d_model numbers) stays whole, as DeepSpeed's ZeRO-3 keeps a
+    # parameter below its persistence threshold: its dp-th saves d_model/dp numbers a
+    # layer, and gathering it would cost one more all-gather and reduce-scatter each, a
+    # rendezvous of every dp device
+    for part, leaves in (("blocks", layer), ("first", shapes["first"]), ("last", shapes["last"])):
+        for name, a in leaves.items():
+            if len(a.shape) == 1:
+                dims[part][name] = -1
     return dims
 
 

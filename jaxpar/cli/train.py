@@ -227,8 +227,8 @@ def main(args) -> int:
     processes = check_distributed(args)
     counts = None if args.layers_per_stage is None else stage_layers.parse_layer_split(args.layers_per_stage)
     spec = spec_lib.parse(args.mesh, schedule=args.schedule, chunks=args.chunks, sequence_parallel=args.sp,
-                          recompute=RECOMPUTE.get(args.recompute, False), zero=args.zero, attention=args.attention, layout=args.layout,
-                          microbatches=1, layers_per_stage=counts)
+                          recompute=RECOMPUTE.get(args.recompute, False), zero=args.zero, attention=args.attention,
+                          layout=args.layout, microbatches=1, layers_per_stage=counts)
     m = 2 * spec.pp if args.microbatches is None else args.microbatches
     spec = spec_lib.ParallelSpec(**{**spec.__dict__, "microbatches": m})
     data, vocab = open_data(args, spec.tp)

@@ -284,7 +284,8 @@ class _Step:
     def _weight(self, op: Backward) -> BackwardOut:
         with jax.named_scope("pipeline_W"):
             stored = [take(r, op.row.res_read) for r in op.stored]
-            grads = self.program.passes.weight(self.params, op.row.b_chunk, stored, take(op.kept, op.row.res_read), op.grads,
+            kept = take(op.kept, op.row.res_read)
+            grads = self.program.passes.weight(self.params, op.row.b_chunk, stored, kept, op.grads,
                                                layout=self.residuals.layout)
             return varying(self._backward_idle(op._replace(grads=grads)), self.axes)
 

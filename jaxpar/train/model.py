@@ -122,12 +122,11 @@ def zero3_dims(cfg: reference.ModelConfig, spec: ParallelSpec) -> dict:
     dims = {"blocks": zero.plan(layer, layer_pspecs, sizes=sizes),
             "first": zero.plan(shapes["first"], first_pspecs, sizes=sizes),
             "last": zero.plan(shapes["last"], last_pspecs, sizes=sizes)}
-    if "router_bias" in dims["blocks"]:
-        dims["blocks"]["router_bias"] = -1
-    # a vector (a norm's gain: d_model numbers) stays whole, as DeepSpeed's ZeRO-3 keeps a
+    # a vector stays whole. A norm's gain (d_model numbers), as DeepSpeed's ZeRO-3 keeps a
     # parameter below its persistence threshold: its dp-th saves d_model/dp numbers a
     # layer, and gathering it would cost one more all-gather and reduce-scatter each, a
-    # rendezvous of every dp device
+    # rendezvous of every dp device. The router bias [E], which the bias rule moves from
+    # the whole load, not AdamW from a gradient
     for part, leaves in (("blocks", layer), ("first", shapes["first"]), ("last", shapes["last"])):
         for name, a in leaves.items():
             if len(a.shape) == 1:
@@ -228,8 +227,9 @@ _KEPT = ("psum", "all_gather", "reduce_scatter", "all_to_all", "ragged_all_to_al
 def keep_dots(prim, *_, **params) -> bool:
     """The jax.checkpoint policy of recompute="dots": keep the output of a matmul without
     batch dimensions (the projections, the MLP's and the experts' matrices: the outputs
-    MaxText's remat_policy=minimal keeps by name; JAX's checkpoint_dots_with_no_batch_dims), of a collective and
-    of a custom-vjp function (ring attention, whose forward sends K/V round the ring);
+    MaxText's remat_policy=minimal keeps by name; JAX's checkpoint_dots_with_no_batch_dims),
+    of a collective and of a custom-vjp function (ring attention, whose forward sends K/V
+    round the ring);
     recompute the rest in B: the norms, rotary embedding, attention scores and softmax, the
     activation function. F then stores about half the bytes, and B's recompute is
     elementwise work and attention's two batched matmuls."""

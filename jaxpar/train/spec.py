@@ -25,7 +25,6 @@ from jaxpar.pipeline import schedule as schedule_lib
 AXES = (mesh_lib.DP, mesh_lib.PP, mesh_lib.CP, mesh_lib.EP, mesh_lib.TP)   # mesh order: tp innermost (mesh.AXIS_ORDER)
 ATTENTION = ("ring", "ulysses")
 LAYOUTS = ("contiguous", "zigzag")
-RECOMPUTE = (False, True, "dots")   # keep every residual, only each stage's input, or matmuls and collectives
 ZERO = (0, 1, 2, 3)           # ZeRO stages: what is sharded over dp (data.zero)
 
 
@@ -72,7 +71,7 @@ class ParallelSpec:
             problems.append(f"chunks={self.chunks!r} must be None (the schedule's own) or a whole number in 1..64")
         if not isinstance(self.sequence_parallel, bool):
             problems.append(f"sequence_parallel={self.sequence_parallel!r} must be True or False")
-        if not any(self.recompute is r or (isinstance(r, str) and self.recompute == r) for r in RECOMPUTE):
+        if not (isinstance(self.recompute, bool) or self.recompute == "dots"):
             problems.append(f"recompute={self.recompute!r} must be False (keep every residual), True (keep each "
                             "stage's input, run F again in B) or 'dots' (keep the matmuls' and collectives' "
                             "outputs, recompute the rest)")

@@ -173,6 +173,8 @@ class Trainer:
         elif self.spec.zero:
             self.zero_dims = {k: zero.plan(self.shapes[k], self.param_specs[k], sizes=self.mesh.shape,
                                            skip=1 if k == "blocks" else 0) for k in self.shapes}
+            if "router_bias" in self.zero_dims["blocks"]:    # moved by update_bias, not AdamW: nothing to shard
+                self.zero_dims["blocks"]["router_bias"] = -1
         else:
             self.zero_dims = jax.tree.map(lambda _: -1, self.shapes)
         self.state_param_specs = zero.state_pspecs(self.param_specs, self.zero_dims, self.shapes)
@@ -265,10 +267,7 @@ class Trainer:
         own = zero.slice_params(params, zero_dims) if sharded_state else params       # ZeRO-1: a dp-th
         updates, opt = self.tx.update(grads, state.opt, own)
         new = optax.apply_updates(own, updates)
-        if sharded_state:
-            if self.cfg.router_bias:     # update_bias drops the optimizer's update of it: nothing to gather
-                zero_dims = {**zero_dims, "blocks": {**zero_dims["blocks"], "router_bias": -1}}
-            new = zero.gather_params(new, zero_dims)
+        new = zero.gather_params(new, zero_dims) if sharded_state else new
         if load is not None:
             new = balance.update_bias(new, params, load, self.cfg)
         return new, opt, norm

@@ -89,14 +89,7 @@ def expected_zero(trainer) -> dict[str, float]:
     ranks (one device each)."""
     if trainer.spec.zero == 3:
         return _sum_ranks(expected_zero3_by_rank(trainer))
-    out = data_formulas.zero_bytes(_weights(trainer), dp=trainer.spec.dp)
-    dims = trainer.zero_dims["blocks"]
-    if trainer.cfg.router_bias and dims.get("router_bias", -1) >= 0:   # its update is dropped, not gathered
-        key = "router_bias"
-        bias = weights({key: trainer.shapes["blocks"][key]}, {key: trainer.param_specs["blocks"][key]},
-                       sizes=trainer.mesh.shape, zero_dims={key: dims[key]})
-        out["all-gather"] -= data_formulas.zero_bytes(bias, dp=trainer.spec.dp)["all-gather"]
-    return out
+    return data_formulas.zero_bytes(_weights(trainer), dp=trainer.spec.dp)
 
 
 def _sum_ranks(by_rank: dict) -> dict[str, float]:

@@ -81,10 +81,13 @@ def moe_and_routing(p: dict, x, *, top_k: int, mlp: str = "gelu", renormalize: b
     bias is p["router_bias"] [E] when the layer has one."""
     gates, chosen, scores = router_choice(p["router"], x, top_k=top_k, renormalize=renormalize, scoring=scoring,
                                           bias=p.get("router_bias"))
-    out = jnp.zeros_like(x)
-    for e in range(p["router"].shape[-1]):
-        expert = {name: p[name][e] for name in ("w_up", "w_gate", "w_down") if name in p}
-        out = out + gates[..., e:e + 1] * layers.mlp(expert, x, mlp=mlp)
+    experts = {name: p[name] for name in ("w_up", "w_gate", "w_down") if name in p}     # [E, ...] each
+
+    def add(out, expert_and_gate):    # expert e on every token, weighted by its gate, added
+        expert, gate = expert_and_gate
+        return out + gate[..., None] * layers.mlp(expert, x, mlp=mlp), None
+    # a scan over the experts, in order: one expert compiled whatever E
+    out, _ = jax.lax.scan(add, jnp.zeros_like(x), (experts, jnp.moveaxis(gates, -1, 0)))
     return out, chosen, scores
 
 

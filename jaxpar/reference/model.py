@@ -108,13 +108,14 @@ def forward_and_balance(params: dict, tokens, cfg: ModelConfig):
     balance loss per sequence and load per expert (`block_and_balance`)."""
     errors.array("tokens", tokens, ndim=2, kinds="iu", shape_doc="tokens[batch, seq] of token ids")
     x = params["embed"][tokens]
-    auxes, loads = [], []
-    for i in range(cfg.n_layers):
-        x, aux, load = block_and_balance(layer_params(params, i), x, cfg)
-        auxes.append(aux)
-        loads.append(load)
+
+    def layer(x, p):                  # one layer, over the stacked blocks' leading dimension
+        y, aux, load = block_and_balance(p, x, cfg)
+        return y, (aux, load)
+    # a scan, not a Python loop: one layer compiled whatever n_layers (the same arithmetic)
+    x, (auxes, loads) = jax.lax.scan(layer, x, params["blocks"])
     logits = rms_norm(x, params["final_norm"], cfg.norm_eps) @ params["unembed"]
-    return logits, jnp.stack(auxes), jnp.stack(loads)
+    return logits, auxes, loads
 
 
 def forward(params: dict, tokens, cfg: ModelConfig):

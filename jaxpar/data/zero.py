@@ -36,6 +36,13 @@ instead), and the backward gathers them again (FSDP's re-gather): per use, 2 all
 of the layer's weights and 1 reduce-scatter of its gradient (`formulas.zero3_bytes`; a
 weight the pullback does not read, as an embedding's, is not gathered again). The
 optimizer updates the dp-th each rank holds; nothing is gathered after it.
+
+    layer = gathered(layer_fn, dims, fuse=True)   # the trainer's: one flat buffer per layer
+
+gathers the layer's weights with one all-gather (FSDP's flat parameter: each dp-th
+flattened and concatenated, `_flat_gather`) and reduce-scatters their gradients with one
+(`_flat_scatter`), per group of one dtype and one type (the mesh axes a weight varies
+over): the same bytes, a dp-wide rendezvous per layer instead of per weight.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.collectives import varying_axes
 from jaxpar.data.formulas import summed_axes
 from jaxpar.data.reduce import check_layout
 from jaxpar.errors import ConfigError
@@ -148,13 +156,65 @@ def gather_params(params, dims, *, axis: str = DP):
 SCOPE = "zero3_gather"          # the named scope of the gathers and the reduce-scatters
 
 
-def gather_for_use(params, dims, *, axis: str = DP):
+def _groups(arrays: Mapping, dims: Mapping[str, int]) -> list[list[str]]:
+    """The names of `arrays` planned dims >= 0, grouped by (dtype, the mesh axes they vary
+    over): the leaves one flat buffer can carry without changing their type (`fused`)."""
+    groups: dict = {}
+    for name, a in arrays.items():
+        if dims.get(name, -1) >= 0:
+            groups.setdefault((jnp.dtype(a.dtype), varying_axes(a)), []).append(name)
+    return list(groups.values())
+
+
+def _flat_gather(shards: Sequence, dims: Sequence[int], axis: str) -> list:
+    """The leaves `shards` (each [..., X/dp, ...] along its dims entry) gathered over
+    `axis` with one all-gather: each shard flattened into one buffer [N], gathered as
+    [dp, N], each leaf cut out [dp, n] and its rank dimension put back in place of X/dp."""
+    flat = jnp.concatenate([a.reshape(-1) for a in shards])
+    every = jax.lax.all_gather(flat, axis, axis=0, tiled=False)          # [dp, N]
+    out, start = [], 0
+    for a, d in zip(shards, dims):
+        part = every[:, start:start + a.size].reshape(every.shape[0], *a.shape)
+        start += a.size
+        part = jnp.moveaxis(part, 0, d)                                   # [..., dp, X/dp, ...]
+        out.append(part.reshape(*a.shape[:d], -1, *a.shape[d + 1:]))
+    return out
+
+
+def _flat_scatter(grads: Sequence, dims: Sequence[int], axis: str) -> list:
+    """`_flat_gather`'s transpose: the gradients (each [..., X, ...]) reduce-scattered over
+    `axis` with one reduce-scatter of their concatenation [dp, N]; this rank's dp-th of
+    each, summed over `axis`."""
+    dp = jax.lax.axis_size(axis)
+    rows, shapes = [], []
+    for g, d in zip(grads, dims):
+        split = g.reshape(*g.shape[:d], dp, g.shape[d] // dp, *g.shape[d + 1:])
+        shapes.append(split.shape[:d] + split.shape[d + 1:])
+        rows.append(jnp.moveaxis(split, d, 0).reshape(dp, -1))
+    mine = jax.lax.psum_scatter(jnp.concatenate(rows, axis=1), axis, scatter_dimension=0, tiled=False)
+    out, start = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(mine[start:start + n].reshape(shape))
+        start += n
+    return out
+
+
+def gather_for_use(params, dims, *, axis: str = DP, fuse: bool = False):
     """Each leaf planned dims >= 0 gathered over `axis` along that dimension (varying ->
     varying), under the named scope SCOPE; leaves not in `dims` (or planned -1) as they
-    are. params: a dict of this device's shards [..., X/dp, ...]; dims: {name: dimension}."""
+    are. params: a dict of this device's shards [..., X/dp, ...]; dims: {name: dimension}.
+    fuse: one all-gather per group of leaves of one dtype and type (FSDP's flat parameter,
+    `_flat_gather`) instead of one per leaf: the same bytes in fewer collectives, each a
+    rendezvous of every dp device."""
     with jax.named_scope(SCOPE):
-        return {name: jax.lax.all_gather(a, axis, axis=dims[name], tiled=True) if dims.get(name, -1) >= 0 else a
-                for name, a in params.items()}
+        if not fuse:
+            return {name: jax.lax.all_gather(a, axis, axis=dims[name], tiled=True) if dims.get(name, -1) >= 0
+                    else a for name, a in params.items()}
+        out = dict(params)
+        for names in _groups(params, dims):
+            out.update(zip(names, _flat_gather([params[n] for n in names], [dims[n] for n in names], axis)))
+        return out
 
 
 def _after(params, values):
@@ -176,15 +236,21 @@ def _after(params, values):
     return jax.tree.map(lambda a: a + zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
 
 
-def scatter_gradients(grads, dims, *, axis: str = DP):
+def scatter_gradients(grads, dims, *, axis: str = DP, fuse: bool = False):
     """The all-gather's transpose: each leaf planned dims >= 0 reduce-scattered over `axis`
-    along that dimension (summed over `axis`, this rank's dp-th kept), others as they are."""
+    along that dimension (summed over `axis`, this rank's dp-th kept), others as they are;
+    fuse: one reduce-scatter per group of one dtype and type (`_flat_scatter`)."""
     with jax.named_scope(SCOPE):
-        return {name: jax.lax.psum_scatter(g, axis, scatter_dimension=dims[name], tiled=True)
-                if dims.get(name, -1) >= 0 else g for name, g in grads.items()}
+        if not fuse:
+            return {name: jax.lax.psum_scatter(g, axis, scatter_dimension=dims[name], tiled=True)
+                    if dims.get(name, -1) >= 0 else g for name, g in grads.items()}
+        out = dict(grads)
+        for names in _groups(grads, dims):
+            out.update(zip(names, _flat_scatter([grads[n] for n in names], [dims[n] for n in names], axis)))
+        return out
 
 
-def gathered(fn, dims, *, axis: str = DP):
+def gathered(fn, dims, *, axis: str = DP, fuse: bool = False):
     """fn(params, *args) with params' leaves planned dims >= 0 (params: a dict; dims:
     {name: dimension}) gathered over `axis` first (`gather_for_use`), differentiated the
     FSDP way (a jax.custom_vjp): the forward keeps fn's vjp residuals but the gathered
@@ -193,7 +259,8 @@ def gathered(fn, dims, *, axis: str = DP):
     (`scatter_gradients`). So per use: an all-gather forward, one backward (none where the
     pullback does not read the weights: an embedding lookup's), one reduce-scatter. A
     residual derived from a gathered weight (not the weight itself) is kept, as any
-    residual. No leaf to gather: fn itself."""
+    residual. No leaf to gather: fn itself. fuse: the gathers and the reduce-scatter
+    one per group of leaves of one dtype and type (`gather_for_use`)."""
     if not any(d >= 0 for d in dims.values()):
         return fn
     # the last trace of the forward's (the pullback's treedef, per leaf the weight it is or None);
@@ -201,7 +268,7 @@ def gathered(fn, dims, *, axis: str = DP):
     layout = {}
 
     def forward(params, *args):
-        whole = gather_for_use(params, dims, axis=axis)
+        whole = gather_for_use(params, dims, axis=axis, fuse=fuse)
         out, pullback = jax.vjp(fn, whole, *args)
         leaves, treedef = jax.tree.flatten(pullback)
         weight_of = {id(whole[name]): name for name, dim in dims.items() if dim >= 0}
@@ -212,15 +279,16 @@ def gathered(fn, dims, *, axis: str = DP):
     def backward(residuals, cotangent):
         params, kept = residuals
         treedef, names = layout["last"]
-        again = gather_for_use(_after(params, (cotangent, kept)), dims, axis=axis) if any(names) else {}
+        read = {name: dims[name] for name in names if name}        # the weights the pullback reads
+        again = gather_for_use(_after(params, (cotangent, kept)), read, axis=axis, fuse=fuse) if read else {}
         kept = iter(kept)
         pullback = jax.tree.unflatten(treedef, [again[name] if name else next(kept) for name in names])
         d_whole, *d_args = pullback(cotangent)
-        return (scatter_gradients(d_whole, dims, axis=axis), *d_args)
+        return (scatter_gradients(d_whole, dims, axis=axis, fuse=fuse), *d_args)
 
     @jax.custom_vjp
     def run(params, *args):
-        return fn(gather_for_use(params, dims, axis=axis), *args)
+        return fn(gather_for_use(params, dims, axis=axis, fuse=fuse), *args)
     run.defvjp(forward, backward)
     run = functools.wraps(fn)(run)
     run.zero3_layout = layout          # for `regathered`

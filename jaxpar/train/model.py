@@ -252,10 +252,12 @@ def shard_fns(cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int, batc
     block = functools.partial(_block, cfg=cfg, spec=spec, seq_len=seq_len, batch_size=batch_size)
     if spec.recompute == "dots":     # inside the ZeRO-3 gather: its backward gathers the weights again
         block = jax.checkpoint(block, policy=keep_dots)
-    stage = runtime.layers(zero.gathered(block, dims["blocks"]))
+    # one flat all-gather per function (per dtype and type), FSDP's flat parameter: a
+    # layer's weights in one collective, not one each
+    stage = runtime.layers(zero.gathered(block, dims["blocks"], fuse=True))
     sp = spec.sequence_parallel
-    return (stage, zero.gathered(functools.partial(_embed, sp=sp), dims["first"]),
-            zero.gathered(functools.partial(_head, eps=cfg.norm_eps, sp=sp), dims["last"]))
+    return (stage, zero.gathered(functools.partial(_embed, sp=sp), dims["first"], fuse=True),
+            zero.gathered(functools.partial(_head, eps=cfg.norm_eps, sp=sp), dims["last"], fuse=True))
 
 
 def to_layout(tokens, spec: ParallelSpec):

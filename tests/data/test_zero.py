@@ -118,3 +118,47 @@ def test_gathered_layer_is_exact_and_regathers_in_the_backward():
     np.testing.assert_allclose(f(w, x), jax.grad(lambda w: jnp.sum(mlp({"w": w}, x)))(w), rtol=1e-5, atol=1e-6)
     text = f.lower(w, x).compile().as_text()
     assert text.count(" all-gather(") == 2 and text.count(" reduce-scatter(") == 1
+
+
+@pytest.mark.parametrize("dp, tp", [(4, 2), (2, 4), (8, 1), (1, 8)])
+def test_fused_gathers_are_the_per_weight_ones_exactly_in_one_collective_per_group(dp, tp):
+    """gathered(..., fuse=True) on rank-coded shards of weights of two dtypes, split along
+    different dimensions, one varying over tp: the forward's values and every gradient
+    bit for bit equal to one collective per weight's, with one all-gather forward, one
+    backward and one reduce-scatter per group of one dtype and type (float32 invariant
+    over tp, float32 varying over tp, float64; the vector planned -1 stays whole)."""
+    m = mesh_lib.make_mesh(dp=dp, tp=tp)
+    with jax.enable_x64(True):
+        rank_coded = lambda shape, dtype, k: (jnp.arange(np.prod(shape), dtype=dtype).reshape(shape) + 1) / (8 + k)
+        w = {"a": rank_coded((8, 4), jnp.float32, 0), "b": rank_coded((3, 8 * tp, 2), jnp.float32, 1),
+             "c": rank_coded((4, 8), jnp.float64, 2), "d": rank_coded((2, 8), jnp.float32, 3),
+             "v": rank_coded((4,), jnp.float32, 4)}
+        specs = {"a": P("dp"), "b": P(None, ("tp", "dp")), "c": P(None, "dp"), "d": P(None, "dp"), "v": P()}
+        dims = {"a": 0, "b": 1, "c": 1, "d": 1, "v": -1} if dp > 1 else dict.fromkeys(w, -1)   # as zero.plan
+
+        def fn(p, x):               # every weight read in the backward but d and v
+            h = jnp.tanh(x @ p["a"]) * p["v"]                                     # [B, 4]
+            t = jnp.einsum("bf,fkj->bkj", h[:, :3], p["b"]).sum(axis=(1, 2))     # b: [3, 8, 2] per tp rank
+            y = (h.astype(jnp.float64) @ p["c"]).astype(jnp.float32)
+            return y + jax.lax.psum(t, "tp")[:, None] + p["d"].sum(0)
+
+        def per_device(shard, x, fuse):
+            layer = zero.gathered(fn, dims, fuse=fuse)
+            out, (grads, dx) = jax.value_and_grad(lambda s, x: jnp.sum(layer(s, x) ** 2), argnums=(0, 1))(shard, x)
+            return jax.lax.psum(out, "dp"), grads, dx
+
+        x = jnp.linspace(-1, 1, 2 * dp * 8).reshape(2 * dp, 8).astype(jnp.float32)
+        run = {fuse: jax.jit(jax.shard_map(lambda s, x, fuse=fuse: per_device(s, x, fuse), mesh=m,
+                                           in_specs=(specs, P("dp")), out_specs=(P(), specs, P("dp"))))
+               for fuse in (False, True)}
+        (out, grads, dx), (fused_out, fused_grads, fused_dx) = run[False](w, x), run[True](w, x)
+        np.testing.assert_array_equal(fused_out, out)
+        np.testing.assert_array_equal(fused_dx, dx)
+        for k in w:
+            assert fused_grads[k].dtype == w[k].dtype
+            np.testing.assert_array_equal(fused_grads[k], grads[k])
+        text = run[True].lower(w, x).compile().as_text()
+    groups = 3 if dp > 1 else 0        # {a, d}, {b} (varies over tp), {c} (float64); none over one device
+    regathered = 3 if dp > 1 else 0    # {a} (of {a, d}: d's pullback reads no weight), {b}, {c}
+    assert text.count(" all-gather(") == groups + regathered, text.count(" all-gather(")
+    assert text.count(" reduce-scatter(") == groups

@@ -42,7 +42,10 @@ optimizer updates the dp-th each rank holds; nothing is gathered after it.
 gathers the layer's weights with one all-gather (FSDP's flat parameter: each dp-th
 flattened and concatenated, `_flat_gather`) and reduce-scatters their gradients with one
 (`_flat_scatter`), per group of one dtype and one type (the mesh axes a weight varies
-over): the same bytes, a dp-wide rendezvous per layer instead of per weight.
+over): the same bytes, a dp-wide rendezvous per layer instead of per weight. A weight
+split along its first dimension comes out of the gathered buffer [dp, N] as a slice, a
+reshape away from its place; along another it is a transpose, so the trainer plans
+ZeRO-3's dimensions with plan(..., first=True): the first dimension dp divides.
 """
 
 from __future__ import annotations
@@ -74,21 +77,25 @@ def local_shape(shape: Sequence[int], pspec: P, sizes: Mapping[str, int]) -> tup
                  for n, e in zip(shape, entries))
 
 
-def zero_dim(local: Sequence[int], dp: int, *, skip: int = 0) -> int:
+def zero_dim(local: Sequence[int], dp: int, *, skip: int = 0, first: bool = False) -> int:
     """The dimension of a local shard that ZeRO splits over dp: the largest (after the
-    first `skip`) that dp divides, the first of equals; -1 when none does."""
+    first `skip`) that dp divides, the first of equals; -1 when none does. first: the
+    first that dp divides instead (a flat buffer's layout, `gather_for_use`)."""
     best = -1
     for d in range(skip, len(local)):
         if local[d] % dp == 0 and (best < 0 or local[d] > local[best]):
             best = d
+            if first:
+                break
     return best
 
 
-def plan(shapes, pspecs, *, sizes: Mapping[str, int], axis: str = DP, skip: int = 0):
+def plan(shapes, pspecs, *, sizes: Mapping[str, int], axis: str = DP, skip: int = 0, first: bool = False):
     """Per leaf of `shapes` (global shapes, laid out as `pspecs` on a mesh of axis
     `sizes`): the dimension ZeRO splits its optimizer state along over `axis` (zero_dim of
     its local shard; -1 everywhere when the axis is one device). skip: leading dimensions
-    never split (a stage layout's pp dimension)."""
+    never split (a stage layout's pp dimension). first: the first dimension dp divides,
+    not the largest (`zero_dim`)."""
     check_layout(shapes, pspecs)
     unknown = sorted({a for s in jax.tree.leaves(pspecs, is_leaf=_is_pspec) for a in pspec_axes(s)} - set(sizes))
     if unknown:
@@ -96,7 +103,8 @@ def plan(shapes, pspecs, *, sizes: Mapping[str, int], axis: str = DP, skip: int 
     dp = sizes.get(axis, 1)
     if dp == 1:
         return jax.tree.map(lambda _: -1, shapes)
-    return jax.tree.map(lambda a, s: zero_dim(local_shape(a.shape, s, sizes), dp, skip=skip), shapes, pspecs)
+    return jax.tree.map(lambda a, s: zero_dim(local_shape(a.shape, s, sizes), dp, skip=skip, first=first),
+                        shapes, pspecs)
 
 
 def state_pspec(pspec: P, dim: int, ndim: int, *, axis: str = DP) -> P:

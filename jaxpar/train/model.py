@@ -119,9 +119,11 @@ def zero3_dims(cfg: reference.ModelConfig, spec: ParallelSpec) -> dict:
     layer = {k: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for k, a in shapes["blocks"].items()}
     layer_pspecs, first_pspecs, last_pspecs = stage_pspecs(cfg, spec)
     sizes = spec.sizes if spec.zero == 3 else {**spec.sizes, DP: 1}
-    dims = {"blocks": zero.plan(layer, layer_pspecs, sizes=sizes),
-            "first": zero.plan(shapes["first"], first_pspecs, sizes=sizes),
-            "last": zero.plan(shapes["last"], last_pspecs, sizes=sizes)}
+    # the first dimension dp divides: the weights come out of the flat gathered buffer
+    # without a transpose (`zero.gathered(fuse=True)`), as FSDP shards a flat parameter
+    plan = functools.partial(zero.plan, sizes=sizes, first=True)
+    dims = {"blocks": plan(layer, layer_pspecs), "first": plan(shapes["first"], first_pspecs),
+            "last": plan(shapes["last"], last_pspecs)}
     # a vector stays whole. A norm's gain (d_model numbers), as DeepSpeed's ZeRO-3 keeps a
     # parameter below its persistence threshold: its dp-th saves d_model/dp numbers a
     # layer, and gathering it would cost one more all-gather and reduce-scatter each, a

@@ -26,6 +26,16 @@ def test_zero_dim_by_hand(local, dp, skip, dim):
     assert zero.zero_dim(local, dp, skip=skip) == dim
 
 
+@pytest.mark.parametrize("local, dp, skip, dim", [
+    ((8, 16), 4, 0, 0),          # the first dp divides, not the largest
+    ((6, 12, 16), 4, 0, 1),      # 6: not divisible by 4
+    ((16, 8), 8, 1, 1),          # the first `skip` dimensions never split
+    ((3, 5), 2, 0, -1),
+])
+def test_zero_dim_first_by_hand(local, dp, skip, dim):
+    assert zero.zero_dim(local, dp, skip=skip, first=True) == dim
+
+
 def test_the_plan_reads_the_local_shard_and_is_whole_on_one_dp_device():
     shapes = {"w": jax.ShapeDtypeStruct((16, 8), jnp.float32), "v": jax.ShapeDtypeStruct((4, 6), jnp.float32)}
     pspecs = {"w": P("tp", None), "v": P()}

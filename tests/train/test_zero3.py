@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar import comms
+from jaxpar import comms, reference
 from jaxpar.data import zero
 from jaxpar.errors import ConfigError
 from jaxpar.train import model, summary, verify
@@ -136,3 +136,15 @@ def test_zero3_dims_are_whole_unless_zero3_and_keep_the_router_bias_whole():
     dims = model.zero3_dims(cfg, ParallelSpec(dp=2, zero=3))
     assert dims["blocks"]["router_bias"] == -1 and dims["blocks"]["w_up"] >= 0
     assert np.all([d >= 0 for d in (dims["first"]["embed"], dims["last"]["unembed"])])
+
+
+def test_zero3_plans_the_first_dimension_dp_divides():
+    """The trainer's ZeRO-3 splits each matrix along the first dimension of its local shard
+    that dp divides (the flat gathered buffer's layout: a slice, no transpose)."""
+    cfg = reference.ModelConfig(n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=32,
+                                mlp="swiglu", vocab=32)
+    dims = model.zero3_dims(cfg, ParallelSpec(dp=4, tp=2, zero=3))
+    assert dims["blocks"]["w_up"] == 0 and dims["blocks"]["w_down"] == 0 and dims["last"]["unembed"] == 0
+    assert dims["blocks"]["attn_norm"] == -1 and dims["last"]["final_norm"] == -1      # vectors stay whole
+    wide = dataclasses.replace(cfg, d_model=18, n_heads=2, head_dim=8)    # [18, 32]: 18 is not divisible by 4
+    assert model.zero3_dims(wide, ParallelSpec(dp=4, zero=3))["blocks"]["w_up"] == 1

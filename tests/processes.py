@@ -10,10 +10,21 @@ end of each one's stderr. Nothing is left running, whatever happens.
 
 from __future__ import annotations
 
+import os
+import re
 import socket
 import subprocess
 
 import pytest
+
+
+def child_env(**extra: str) -> dict:
+    """os.environ for a child process that picks its own device count: XLA_FLAGS without
+    --xla_force_host_platform_device_count, the fast-compile flags conftest.py set kept (a
+    child without them compiles several times slower), JAX_PLATFORMS=cpu; plus `extra`."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags,
+                                                                          **extra}
 
 
 def free_port() -> int:

@@ -51,7 +51,14 @@ EXPECTED = {
                        "restored on pp4 x tp2 1f1b: parameters, AdamW moments and step equal to the saved ones, bit "
                        "for bit: ok", (re.compile(re.escape("collectives equal to the formulas (none run again in B): ok")), 2),
                        (re.compile(r"dots holds 0\.[0-7]\dx the temporaries; 3 steps against the unsharded model: "
-                                   r"max relative error \S+ \(tolerance 1e-5\): ok"), 1)],
+                                   r"max relative error \S+ \(tolerance 1e-5\): ok"), 1),
+                       # demo 5: ZeRO-3, 4 layers: gathered once in F and once in B each, the embedding
+                       # once, the head twice (its loss's backward reads the unembedding); one
+                       # reduce-scatter each
+                       "30 weights stored as their dp-th; one step compiles 11 all-gathers and 6 reduce-scatters",
+                       "the embedding and the head), bytes equal to the formula: ok",
+                       (re.compile(r"^  3 steps against the unsharded model: max relative error \S+ \(tolerance 1e-5\): "
+                                   r"ok$", re.M), 1)],
     "09_multihost.py": ["all processes agree with the reference", "train dp2 x pp2 x tp2 1f1b, 2 processes: losses",
                         (re.compile(r"^process [01]: 4 local of 8 devices, mesh dp=2 tp=4, max \|diff\| vs reference",
                                     re.M), 2),

@@ -5,7 +5,6 @@ computes the single-process answer.
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import mesh
-from tests.processes import free_port, run_together
+from tests.processes import child_env, free_port, run_together
 
 sys.path.insert(0, str(Path(__file__).parent))
 from multiprocess_worker import global_input  # noqa: E402  (the input both sides use)
@@ -24,7 +23,7 @@ TIMEOUT_S = 120
 
 
 def _run_workers() -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    env = child_env()
     port = free_port()
     done = run_together([[sys.executable, str(WORKER), str(i), str(port)] for i in range(2)], env=env,
                         timeout_s=TIMEOUT_S)

@@ -6,7 +6,6 @@ checks, and the errors for inputs that do not fit."""
 
 import dataclasses
 import functools
-import os
 import subprocess
 import sys
 
@@ -22,6 +21,7 @@ from jaxpar import mesh as mesh_lib
 from jaxpar.tensor import verify
 from jaxpar.tensor.verify import block_inputs, lm_head_inputs, reference_lm_loss_and_grads, run_block
 from jaxpar.testing import assert_close, fwd_bwd, max_abs_diff, value_and_grads
+from tests.processes import child_env
 
 B, T = 8, 8   # B divisible by dp up to 8, T by tp up to 8
 
@@ -349,7 +349,7 @@ def test_verify_sp_on_other_device_counts(devices, mesh, note):
     """6 devices: dp=3 x tp=2, the batch of the check a multiple of dp (it once was a fixed
     4). 3 devices: tp=2 on 2 of them, and the row says the third is left out (it once ran
     tp=1 silently)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    env = child_env()
     proc = subprocess.run([sys.executable, "-m", "jaxpar", "verify", "sp", "--devices", str(devices)],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -8,11 +8,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench venv clean
 
+# The venv's own pip (Python >= 3.11 ships pip >= 22: editable pyproject installs);
+# --no-compile: Python writes the .pyc of what it imports on first use, instead of pip
+# compiling every module of jax and its dependencies up front (about 10 s of the set-up).
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), f"jaxpar needs Python >= 3.11, found {sys.version.split()[0]}; run make PYTHON=python3.11 ..."'
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile -e '.[test]'
 	@touch $(STAMP)
 
 venv: $(STAMP)

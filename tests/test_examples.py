@@ -4,13 +4,14 @@ The examples are the documentation people run first; this keeps them from rottin
 Each runs as a user would (`python examples/NN_*.py`), with its own fake CPU devices.
 """
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.processes import child_env
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -84,10 +85,8 @@ def test_example_runs(name):
     # The example's own device count (no inherited --xla_force_host_platform_device_count), and
     # the test session's compile flags (conftest.py FAST_COMPILE: code generation only; the HLO
     # passes, hence every collective and buffer an example prints, are unchanged).
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
     proc = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True,
-                          timeout=300, env=env)
+                          timeout=300, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     for expected in EXPECTED[name]:

@@ -4,7 +4,6 @@ process reads half of every batch; the checkpoints both write restore in one pro
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 
 
 from jaxpar.cli.main import main as cli_main
-from tests.processes import free_port, run_together
+from tests.processes import child_env, free_port, run_together
 
 ROOT = Path(__file__).parents[2]
 TIMEOUT_S = 300       # two processes compiling at once on a loaded 2-core machine
@@ -31,9 +30,7 @@ def _summary(stdout: str) -> dict:
 
 
 def _two_processes(tmp_path) -> list[subprocess.CompletedProcess]:
-    env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
-        "PYTHONPATH", "")]), "XLA_FLAGS": re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                                                 os.environ.get("XLA_FLAGS", ""))}
+    env = child_env(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     port = free_port()
     argv = [sys.executable, "-m", "jaxpar", *ARGS, "--devices", "4", "--coordinator", f"127.0.0.1:{port}",
             "--processes", "2", "--checkpoint", str(tmp_path / "ckpt"), "--log", str(tmp_path / "log.jsonl"),

@@ -141,9 +141,10 @@ def test_zero3_dims_are_whole_unless_zero3_and_keep_the_router_bias_whole():
 def test_zero3_plans_the_first_dimension_dp_divides():
     """The trainer's ZeRO-3 splits each matrix along the first dimension of its local shard
     that dp divides (the flat gathered buffer's layout: a slice, no transpose)."""
-    cfg = reference.ModelConfig(n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=32,
-                                mlp="swiglu", vocab=32)
+    cfg = reference.ModelConfig(n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=64,
+                                mlp="swiglu", vocab=64)
     dims = model.zero3_dims(cfg, ParallelSpec(dp=4, tp=2, zero=3))
+    # local shards under tp=2: w_up [16, 32], unembed [16, 32] (the largest: dimension 1), w_down [32, 16]
     assert dims["blocks"]["w_up"] == 0 and dims["blocks"]["w_down"] == 0 and dims["last"]["unembed"] == 0
     assert dims["blocks"]["attn_norm"] == -1 and dims["last"]["final_norm"] == -1      # vectors stay whole
     wide = dataclasses.replace(cfg, d_model=18, n_heads=2, head_dim=8)    # [18, 32]: 18 is not divisible by 4

@@ -2,6 +2,8 @@
 slice and the all-gather exact on rank-coded inputs, two AdamW steps equal to the unsharded
 ones with a dp-th of the state per device, the collectives equal to data.formulas."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,10 +135,11 @@ def test_gathered_layer_is_exact_and_regathers_in_the_backward():
 @pytest.mark.parametrize("dp, tp", [(4, 2), (8, 1), (1, 8)])
 def test_fused_gathers_are_the_per_weight_ones_exactly_in_one_collective_per_group(dp, tp):
     """gathered(..., fuse=True) on rank-coded shards of weights of two dtypes, split along
-    different dimensions, one varying over tp: the forward's values and every gradient
-    bit for bit equal to one collective per weight's, with one all-gather forward, one
-    backward and one reduce-scatter per group of one dtype and type (float32 invariant
-    over tp, float32 varying over tp, float64; the vector planned -1 stays whole)."""
+    different dimensions, one varying over tp: the output, the input's and every weight's
+    gradient equal to the unsharded function's, and bit for bit to one collective per
+    weight's, with one all-gather forward, one backward and one reduce-scatter per group of
+    one dtype and type (float32 invariant over tp, float32 varying over tp, float64; the
+    vector planned -1 stays whole)."""
     m = mesh_lib.make_mesh(dp=dp, tp=tp)
     with jax.enable_x64(True):
         rank_coded = lambda shape, dtype, k: (jnp.arange(np.prod(shape), dtype=dtype).reshape(shape) + 1) / (8 + k)
@@ -162,6 +165,18 @@ def test_fused_gathers_are_the_per_weight_ones_exactly_in_one_collective_per_gro
                                            in_specs=(specs, P("dp")), out_specs=(P(), specs, P("dp"))))
                for fuse in (False, True)}
         (out, grads, dx), (fused_out, fused_grads, fused_dx) = run[False](w, x), run[True](w, x)
+
+        def unsharded(p, x):        # fn on the whole weights and batch: tp's sum over b is the sum over all of b
+            h = jnp.tanh(x @ p["a"]) * p["v"]
+            t = jnp.einsum("bf,fkj->bkj", h[:, :3], p["b"]).sum(axis=(1, 2))
+            y = (h.astype(jnp.float64) @ p["c"]).astype(jnp.float32) + t[:, None] + p["d"].sum(0)
+            return jnp.sum(y ** 2)
+        ref_out, (ref_grads, ref_dx) = jax.value_and_grad(unsharded, argnums=(0, 1))(w, x)
+        close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5)
+        close(out, ref_out)
+        close(dx, ref_dx)
+        for k in w:
+            close(grads[k], ref_grads[k], err_msg=k)
         np.testing.assert_array_equal(fused_out, out)
         np.testing.assert_array_equal(fused_dx, dx)
         for k in w:

@@ -16,8 +16,9 @@ Counting rules (tests pin each one):
   * async pairs (`all-gather-start` / `-done`) count once; combined (tuple) collectives
     count once with the bytes of all their operands; with split_combined=True, an
     all-reduce that XLA's combiner merged from separate JAX collectives (its op_name lists
-    theirs, `prefix/(name_1:name_2:...)`, one per tuple element) counts as the collectives
-    it was, each with its own bytes and scope (`_split_combined`).
+    theirs, `prefix/(name_1:name_2:...)`, one per tuple element, or is the one name they
+    all had) counts as the collectives it was, each with its own bytes and scope
+    (`_split_combined`).
 
 Bytes are the *logical* size of the collective, the same on every device, so that the
 lecture's formulas read directly:
@@ -163,11 +164,14 @@ def _names(merged: str) -> list[str]:
 
 def _split_combined(op: CollectiveOp, type_str: str) -> list[CollectiveOp]:
     """A combined all-reduce as the collectives it was made of (each tuple element with its
-    own bytes and op_name), when its op_name names one per element; else [op]."""
+    own bytes and op_name), when its op_name names one per element or is one name (the
+    parts' common one); else [op]."""
     cut = op.scope.find("/(")
     elements = _ARRAY.findall(type_str)
-    if op.kind != "all-reduce" or not type_str.startswith("(") or cut < 0 or not op.scope.endswith(")"):
+    if op.kind != "all-reduce" or not type_str.startswith("(") or len(elements) < 2:
         return [op]
+    if cut < 0 or not op.scope.endswith(")"):       # one name: every part was written under it
+        return [dataclasses.replace(op, bytes=_type_bytes(f"{dtype}[{dims}]")) for dtype, dims in elements]
     prefix, names = op.scope[:cut + 1], _names(op.scope[cut + 2:-1])
     if len(names) != len(elements) or len(names) < 2:
         return [op]

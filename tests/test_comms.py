@@ -392,3 +392,15 @@ def test_a_merged_all_reduce_splits_into_the_collectives_it_was_made_of():
 def test_a_merged_all_reduce_whose_names_do_not_match_its_elements_stays_whole(names):
     (op,) = comms.collective_ops_from_hlo(_MERGED.replace("NAMES", names), split_combined=True)
     assert op.bytes == 48
+
+
+def test_a_merged_all_reduce_of_one_name_splits_into_its_elements():
+    # psums written under one name (the same line of JAX code, e.g. each layer's gain
+    # gradient) keep that name when XLA merges them: one part per tuple element, each its bytes
+    hlo = _MERGED.replace("/(NAMES)", "/transpose(jvp())/psum")
+    parts = comms.collective_ops_from_hlo(hlo, split_combined=True)
+    assert [(p.kind, p.bytes, p.scope) for p in parts] == [
+        ("all-reduce", 16, "jit(f)/shard_map/transpose(jvp())/psum"),
+        ("all-reduce", 32, "jit(f)/shard_map/transpose(jvp())/psum")]
+    (whole,) = comms.collective_ops_from_hlo(hlo)
+    assert whole.bytes == 48

@@ -32,6 +32,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import errors
@@ -45,6 +46,9 @@ from jaxpar.context.zigzag import DIAGONAL, EARLY_KV, FULL, LATE_Q, SKIP
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import CP, DP, TP
 
+# the name of the K/V buffer that travels (jax.ad_checkpoint.checkpoint_name): a remat
+# policy that keeps it gives the backward the forward's buffer, not a recomputed copy
+KV_NAME = "ring_kv"
 CHUNK = 128         # keys per chunk inside a block (benchmarks/context.py measures the choice)
 MAX_CHUNK = 1 << 20
 
@@ -260,7 +264,7 @@ def attend_ring(q, k, v, *, axis, causal: bool, layout: str, relayout: bool, chu
     blockwise.check_qkv, check_shard_tokens or zigzag.check_sequence), per shard:
     q [B, Tc, N, H], k and v [B, Tc, K, H] -> [B, Tc, N, H]."""
     move = functools.partial(relayout_shard, axis=axis, layout=layout if relayout else "contiguous")
-    kv = jnp.stack([heads_major(k), heads_major(v)])            # [2, B, K, Tc, H]: one buffer travels
+    kv = checkpoint_name(jnp.stack([heads_major(k), heads_major(v)]), KV_NAME)   # [2, B, K, Tc, H]: one buffer travels
     o = _ring_kv(move(group(q, k.shape[2])), move(kv), axis, causal, layout, chunk, custom_backward, hop)
     return ungroup(move(o, inverse=True))
 

@@ -33,6 +33,10 @@ collective that only makes the stage's output when a stage holds one layer, see
 The embedding runs in every F of the first stage, the LM head and the cross-entropy in
 every F of the last (its backward is fused into that step: `pipeline_loss`); see
 `embedding` and `head`.
+
+One stage (pp = 1) is counted as exactly, in count and bytes: the one-stage program
+(pipeline.direct) runs F and B in one computation, one jax.checkpoint per layer under
+recompute, where XLA merges what a branch keeps apart; `stage_collectives` says what.
 """
 
 from __future__ import annotations
@@ -113,6 +117,39 @@ def _hop(*, cfg, spec, batch_size: int, seq_len: int, dtype) -> Collectives:
     return Collectives({"collective-permute": (1, block)})
 
 
+def _shared_hops(*, cfg, spec, batch_size: int, seq_len: int, dtype) -> Collectives:
+    """The ring's K/V hops that a layer's backward sends again, of the same blocks as a
+    forward in the same computation (the recomputed one under recompute=True, else the
+    first): XLA's CSE keeps one of each pair it sees outside a loop, the first hop, and
+    with cp = 3 the second (context.ring._ring: steps 1..cp-2 are a scan, inlined when it
+    runs once). Under recompute="dots" the first only: the forward's scan is split by the
+    checkpoint into one that keeps its hop's output and one the backward runs, and the
+    backward's own hops go to the loop's copy. (With "dots" B reads the forward's K/V
+    buffer, context.ring.KV_NAME, not a recomputed copy, so the first hop is merged as
+    without recompute.)"""
+    if spec.cp == 1 or spec.attention != "ring":
+        return Collectives()
+    merged = spec.cp - 1 if spec.cp <= 3 and spec.recompute != "dots" else 1
+    return _times(_hop(cfg=cfg, spec=spec, batch_size=batch_size, seq_len=seq_len, dtype=dtype), merged)
+
+
+def _split_back(*, cfg, spec, runs: dict[str, int], depth: int) -> Collectives:
+    """The all-reduces the one-stage program (pp = 1, pipeline.direct) counts beyond the
+    techniques' formulas, no bytes: those count the instructions of a pipeline's branches,
+    where XLA's combiner merges a few psums into one; in the one computation of F and B
+    it merges a stage's all-reduces across layers and with the step's own reductions,
+    depending on what is ready when, so `summary.collectives` splits every combined
+    all-reduce back into the psums it was made of, and each counts. Under tp: the
+    cross-entropy's two sums (one instruction in a branch) in each loss; in each layer's
+    backward SP's two gain gradients (one), the router's gradient and the replicated K
+    and V heads' two (merged into attention's f there)."""
+    if spec.tp == 1:
+        return Collectives()
+    per_layer = (1 if spec.sequence_parallel else 0) + (2 if cfg.n_kv_heads % spec.tp else 0) + (
+        1 if cfg.n_experts and ep_formulas.router_learns(cfg) else 0)
+    return Collectives({"all-reduce": (runs["pipeline_loss"] + per_layer * depth * runs["pipeline_B"], 0)})
+
+
 def embedding(*, cfg, spec, batch_size: int, seq_len: int, dtype, backward: bool = False) -> Collectives:
     """The first stage's vocab-parallel embedding, in one F (or, under SP, the all-gather
     its backward starts with, in one B of the first stage)."""
@@ -148,24 +185,28 @@ def stage_collectives(*, cfg, spec, batch_size: int, seq_len: int, dtype, runs: 
     """What one pp rank runs inside the pipeline's branches in one step, given `runs`
     (Plan.lane_runs(rank): how many times it runs each branch) and `depth`, the layers of
     the stage those branches run (default the even split, n_layers / (pp*chunks); uneven
-    stages give each chunk's own count)."""
+    stages give each chunk's own count). At pp = 1 the same count of the one-stage
+    program (pipeline.direct: runs of one F, one B and one loss per microbatch), which
+    runs the forward and backward in one computation: XLA merges the ring's repeated
+    K/V hops there (`_shared_hops`), and its all-reduces are counted one per psum
+    (`_split_back`)."""
     if depth is None:
         depth = cfg.n_layers // (spec.pp * spec.resolved_chunks)
     kw = dict(cfg=cfg, spec=spec, batch_size=batch_size, seq_len=seq_len, dtype=dtype)
     fwd, bwd = layer_collectives(**kw), layer_collectives(**kw, backward=True)
     total = _times(fwd, depth * runs["pipeline_F"]) + _times(bwd, depth * runs["pipeline_B"])
+    # one layer under its own jax.checkpoint: a one-layer stage, or every layer of the
+    # one-stage program (pipeline.direct checkpoints layer by layer)
+    alone = depth == 1 or spec.pp == 1
     if spec.recompute is True:
         again = _times(fwd, depth)
-        if depth == 1:
-            again = again + _times(_output_only(**kw), -1)
-        if depth == 1 and spec.cp > 1 and spec.attention == "ring":
-            # and the ring's backward sends the K/V hops its recomputed forward sent, of the
-            # same blocks: XLA keeps one of each pair it sees outside a loop, the first hop
-            # (context.ring._ring: steps 1..cp-2 are a scan, inlined only when it runs once)
-            merged = spec.cp - 1 if spec.cp <= 3 else 1
-            again = again + _times(_hop(cfg=cfg, spec=spec, batch_size=batch_size, seq_len=seq_len,
-                                        dtype=dtype), -merged)
+        if alone:
+            again = again + _times(_output_only(**kw) + _shared_hops(**kw), -depth)
         total = total + _times(again, runs["pipeline_B"])
+    elif spec.pp == 1:
+        total = total + _times(_shared_hops(**kw), -depth * runs["pipeline_B"])
+    if spec.pp == 1:
+        total = total + _split_back(cfg=cfg, spec=spec, runs=runs, depth=depth)
     if cfg.n_experts:
         # the balance loss's sums over cp, in the forward that keeps what reads them: F's,
         # or under recompute B's rerun (F then keeps only the stage's input)

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import reference
 from jaxpar.context import zigzag
-from jaxpar.context.ring import ring_attention_shard
+from jaxpar.context.ring import KV_NAME, ring_attention_shard
 from jaxpar.context.ulysses import ulysses_attention_shard
 from jaxpar.data import zero
 from jaxpar.errors import ConfigError
@@ -238,6 +238,8 @@ def keep_dots(prim, *_, **params) -> bool:
     if prim.name == "dot_general":
         (_, _), (lhs_batch, rhs_batch) = params["dimension_numbers"]
         return not lhs_batch and not rhs_batch
+    if prim.name == "name":
+        return params["name"] == KV_NAME
     return prim.name.startswith(_KEPT)
 
 

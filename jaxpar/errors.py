@@ -45,12 +45,16 @@ def whole(name: str, value, *, minimum: int = 1, maximum: int | None = None, fix
     return int(value)
 
 
-def number(name: str, value, *, fix: str = "") -> float:
-    """`value` as a float if it is a real number > 0 (not a bool, not NaN)."""
+def number(name: str, value, *, fix: str = "", zero: bool = False) -> float:
+    """`value` as a float if it is a finite real number > 0 (>= 0 with zero=True; not a
+    bool, not NaN, not infinite)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
         raise ConfigError(f"{name}={value!r} is not a real number; {fix or f'give a float, e.g. {name}=1e-6'}")
-    if value <= 0:
-        raise ConfigError(f"{name}={value}: must be > 0; {fix or f'give a positive {name}'}")
+    if value < 0 or (value == 0 and not zero):
+        raise ConfigError(f"{name}={value}: must be {'>=' if zero else '>'} 0; "
+                          f"{fix or f'give a positive {name}'}")
+    if value == float("inf"):
+        raise ConfigError(f"{name}={value}: must be finite; {fix or f'give a finite {name}'}")
     return float(value)
 
 

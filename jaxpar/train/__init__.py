@@ -24,7 +24,7 @@ from jaxpar import lazy
 _EXPORTS = {
     "spec": ("ParallelSpec", "parse"),
     "model": ("LanguageModel",),
-    "step": ("Trainer", "TrainState", "reference_trainer"),
+    "step": ("Trainer", "TrainState", "reference_trainer", "reference_parts"),
     "optim": ("OptimConfig",),
     "data": ("Corpus",),
     "text": ("TokenData", "prepare", "check_vocab"),

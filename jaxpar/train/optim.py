@@ -43,10 +43,10 @@ class OptimConfig:
 
     def __post_init__(self):
         for name in ("lr", "final_ratio", "b1", "b2", "eps", "weight_decay", "clip"):
-            value = errors.number(name, getattr(self, name))
-            if value < 0 or (name in ("b1", "b2") and value >= 1) or (name == "lr" and value == 0):
-                raise ConfigError(f"{name}={value}: give " + ("0 < lr" if name == "lr" else "0 <= b < 1" if name in
-                                                              ("b1", "b2") else f"{name} >= 0"))
+            rule = "0 < lr" if name == "lr" else "0 <= b < 1" if name in ("b1", "b2") else f"{name} >= 0"
+            value = errors.number(name, getattr(self, name), zero=name != "lr", fix=f"give {rule}")
+            if name in ("b1", "b2") and value >= 1:
+                raise ConfigError(f"{name}={value}: give {rule}")
         errors.whole("steps", self.steps, maximum=1 << 30)
         errors.whole("warmup", self.warmup, minimum=0, maximum=1 << 30)
         if self.warmup > self.steps:

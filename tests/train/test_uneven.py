@@ -33,7 +33,6 @@ SIX = dataclasses.replace(verify.DENSE, n_layers=6)
 def test_uneven_stages_train_like_the_unsharded_model(spec, cfg):
     r = verify.parity(spec, cfg, steps=3)
     assert r.passed, (r.errors, r.measured, r.expected)
-    assert r.errors["losses"] <= 1e-5 and r.errors["params"] <= 1e-5
 
 
 def test_the_padding_stays_zero_and_is_not_returned():

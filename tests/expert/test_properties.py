@@ -17,11 +17,12 @@ from jaxpar.testing import assert_close
 def cases(draw):
     # informative first (derandomized hypothesis starts from the first choices): several
     # devices, several experts; ep = 1 (dp only) and k = 1 are drawn too, one expert and
-    # one device are not (the router then has no choice to make, nothing crosses devices)
+    # one device are not, nor k = E (the router then has no choice to make, nothing
+    # crosses devices, or every expert takes every token)
     ep = draw(st.sampled_from([2, 4, 8, 1]))
     dp = draw(st.sampled_from([d for d in (1, 2, 4, 8) if 2 <= d * ep <= 8]))
-    E = ep * draw(st.sampled_from([n for n in (2, 1, 4) if ep * n >= 2]))
-    k = draw(st.sampled_from([n for n in (2, 1, 3, 4) if n <= E]))
+    E = ep * draw(st.sampled_from([n for n in (2, 1, 4) if ep * n >= 3]))
+    k = draw(st.sampled_from([n for n in (2, 1, 3, 4) if n < E]))
     cfg = reference.ModelConfig(n_layers=1, d_model=draw(st.sampled_from([8, 16])), d_ff=draw(st.sampled_from([8, 24])),
                                 n_experts=E, top_k=k, mlp=draw(st.sampled_from(["gelu", "swiglu"])))
     cf = draw(st.sampled_from([None, 0.5, 1.0, 1.25, 2.0]))

@@ -46,24 +46,34 @@ class Drawn:
         return f"{model} | {self.spec!r} | batch {self.batch_size} x {self.seq_len}"
 
 
-def _axes(draw, family: str) -> dict[str, int]:
-    """Axis sizes with product <= 8; the family's axis > 1 (ep only for an MoE)."""
+def _axes(draw, family: str, moe: bool) -> dict[str, int]:
+    """Axis sizes with product <= 8: the family's axis above 1, and how many axes above 1
+    drawn from (3, 2, 2, 1), so that most draws compose techniques and the first one a
+    derandomized run makes (hypothesis starts from each choice's first option) is 3D;
+    ep only for an MoE."""
     pinned = {"pipeline": "pp", "tensor": "tp", "context": "cp", "expert": "ep"}.get(family)
-    sizes, budget = {}, MAX_DEVICES
-    order = [pinned] if pinned else []
-    order += [a for a in draw(st.permutations(["dp", "pp", "tp", "cp", "ep"])) if a != pinned]
-    for axis in order:
-        low = 2 if axis == pinned else 1
-        choices = [n for n in (1, 2, 3, 4, 8) if low <= n <= budget]
-        sizes[axis] = draw(st.sampled_from(choices)) if choices else 1
+    wide = draw(st.sampled_from([3, 2, 2, 1]))
+    axes = ["dp", "pp", "tp", "cp"] + (["ep"] if moe else [])
+    chosen = ([pinned] if pinned else []) + [a for a in draw(st.permutations(axes)) if a != pinned]
+    sizes, budget = dict.fromkeys(("dp", "pp", "tp", "cp", "ep"), 1), MAX_DEVICES
+    for i, axis in enumerate(chosen[:wide]):
+        after = 2 ** (wide - 1 - i)                  # the axes still to size take at least 2 each
+        sizes[axis] = draw(st.sampled_from([n for n in (2, 4, 3, 8) if n * after <= budget]))
         budget //= sizes[axis]
     return sizes
 
 
-def _schedule(draw, pp: int) -> tuple[str, int | None, int]:
+def _options(family: str, options: list) -> st.SearchStrategy:
+    """sampled_from `options` turned by the family's place in FAMILIES: hypothesis starts
+    from the first option, so each family's first draw starts from another one."""
+    k = FAMILIES.index(family) % len(options)
+    return st.sampled_from(options[k:] + options[:k])
+
+
+def _schedule(draw, family: str, pp: int) -> tuple[str, int | None, int]:
     """(schedule, chunks, microbatches) the schedule accepts at pp stages (at most 2p + 2
     microbatches: bigger tables cost compile time, not coverage)."""
-    name = draw(st.sampled_from(list(orders.REGISTRY)))
+    name = draw(_options(family, list(orders.REGISTRY)[::-1]))
     chunks = draw(st.sampled_from([None, 3])) if name == "interleaved" else None
     low = {"interleaved": pp, "zb-h1": pp, "zb-h2": pp, "dualpipe-v": 2 * pp - 1}.get(name, 1)
     m = draw(st.integers(low, max(low, 2 * pp + 2)))
@@ -75,19 +85,17 @@ def _schedule(draw, pp: int) -> tuple[str, int | None, int]:
 @st.composite
 def configurations(draw, family: str = "any") -> Drawn:
     moe = family == "expert" or draw(st.booleans())
-    sizes = _axes(draw, family)
-    if not moe:
-        sizes["dp"], sizes["ep"] = sizes["dp"] * sizes["ep"], 1     # ep needs experts: its devices go to dp
+    sizes = _axes(draw, family, moe)
     dp, pp, tp, cp, ep = (sizes[a] for a in ("dp", "pp", "tp", "cp", "ep"))
-    name, chunks, m = _schedule(draw, pp) if pp > 1 else (draw(st.sampled_from(["1f1b", "gpipe"])), None,
-                                                                  draw(st.sampled_from([1, 2])))
-    attention = draw(st.sampled_from(["ring", "ulysses"])) if cp > 1 else "ring"
-    layout = draw(st.sampled_from(["contiguous", "zigzag"])) if cp > 1 else "contiguous"
-    sp = draw(st.booleans()) if tp > 1 else False
-    recompute = draw(st.sampled_from([False, True, "dots"]))
+    name, chunks, m = _schedule(draw, family, pp) if pp > 1 else (
+        draw(st.sampled_from(["1f1b", "gpipe"])), None, draw(st.sampled_from([2, 1])))
+    attention = draw(_options(family, ["ring", "ulysses"])) if cp > 1 else "ring"
+    layout = draw(_options(family, ["zigzag", "contiguous"])) if cp > 1 else "contiguous"
+    sp = draw(_options(family, [True, False])) if tp > 1 else False
+    recompute = draw(_options(family, ["dots", False, True]))
     # ZeRO-3 refuses recompute=True and a split backward (ParallelSpec): drawn where it fits
     split = pp > 1 and orders.lookup(name).split_backward
-    zero = draw(st.sampled_from([0, 1, 2] if recompute is True or split else [0, 1, 2, 3]))
+    zero = draw(_options(family, [1, 0, 2] if recompute is True or split else [3, 1, 0, 2]))
     spec = ParallelSpec(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, schedule=name, chunks=chunks, microbatches=m,
                         sequence_parallel=sp, recompute=recompute, zero=zero, attention=attention, layout=layout)
     stages = pp * spec.resolved_chunks        # deeper stacks add compile time, not coverage: <= 2 layers a stage

@@ -307,13 +307,11 @@ def run_jaxpar(mesh: Mesh, size: str, steps: int, workdir: str, round_index: int
 
 
 def jaxpar_unavailable(mesh: Mesh) -> str | None:
-    """Why jaxpar cannot run `mesh`'s spec here (None: it can), found without compiling."""
+    """Why jaxpar cannot run `mesh`'s spec here (None: it can), found without compiling:
+    "failed: " and the ConfigError's message."""
     try:
         ParallelSpec(**mesh.jaxpar, recompute=REMAT["jaxpar"])
     except ConfigError as error:
-        zero = mesh.jaxpar.get("zero", 0)
-        if zero and f"zero={zero}" in str(error):
-            return f"not available (zero={zero} not supported yet)"
         return f"failed: {error}"
     return None
 
@@ -396,7 +394,7 @@ def row(mesh_name: str, maxtext_runs: list[Run], jaxpar_runs: list[Run]) -> dict
         ms = None if failed else steady_ms([r.seconds for r in runs])
         first_loss = next((r.losses[0] for r in runs if r.losses), None)
         memory = next((r.memory_bytes for r in runs if r.memory_bytes is not None), None)
-        shown = failed if failed and failed.startswith(("failed:", "not available")) else (
+        shown = failed if failed and failed.startswith("failed:") else (
             f"failed: {failed}" if failed else ms)
         sides[side] = {"ms": shown, "first_loss": first_loss, "memory_bytes": memory}
     mt, jp = sides["MaxText"]["ms"], sides["jaxpar"]["ms"]

@@ -45,10 +45,13 @@ def _leaf_dtype(tree):
 
 
 def assert_close(actual, expected, *, scale: float = 1.0) -> None:
-    """Trees equal within the dtype's tolerance (times `scale`); exact for integers."""
-    rtol, atol = tolerance(_leaf_dtype(expected))
+    """Trees equal leaf by leaf, each within its expected dtype's tolerance (times
+    `scale`); exact for integers."""
     chex.assert_trees_all_equal_structs(actual, expected)
-    chex.assert_trees_all_close(actual, expected, rtol=rtol * scale, atol=atol * scale)
+    for (path, b), a in zip(jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(actual)):
+        rtol, atol = tolerance(jnp.result_type(b))
+        chex.assert_trees_all_close(a, b, rtol=rtol * scale, atol=atol * scale,
+                                    custom_message=jax.tree_util.keystr(path))
 
 
 def max_abs_diff(a, b) -> float:

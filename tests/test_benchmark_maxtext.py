@@ -103,20 +103,27 @@ def test_a_failing_side_shows_in_its_cell_and_the_table_goes_on():
     good = bench.Run(seconds=[5.0, 3.0, 1.0, 2.0, 3.0], losses=[6.2, 6.0], memory_bytes=3 * 2 ** 20)
     failed = bench.Run(error="ValueError: no")
     rows = [bench.row("dp8", [good], [good]), bench.row("tp8", [failed], [good]),
-            bench.row("fsdp8 / ZeRO-3", [good], [bench.Run(error="not available (zero=3 not supported yet)")])]
+            bench.row("fsdp8 / ZeRO-4", [good], [bench.Run(error="failed: zero=4: one of 0, 1, 2, 3")])]
     assert rows[0]["MaxText ms"] == rows[0]["jaxpar ms"] == 2000.0 and rows[0]["jaxpar / MaxText"] == 1.0
     assert rows[1]["MaxText ms"] == "failed: ValueError: no" and rows[1]["jaxpar / MaxText"] is None
-    assert rows[2]["jaxpar ms"] == "not available (zero=3 not supported yet)"
+    assert rows[2]["jaxpar ms"] == "failed: zero=4: one of 0, 1, 2, 3"
     table = bench.markdown(rows).splitlines()
     assert len(table) == 5
     assert table[2] == "| dp8 | 2000.0 | 2000.0 | 1.00 | 6.200 / 6.200 | 3.0 / 3.0 |"
     assert table[3] == "| tp8 | failed: ValueError: no | 2000.0 | n/a | n/a / 6.200 | n/a / 3.0 |"
 
 
-def test_zero3_row_is_ready_whether_or_not_zero3_exists():
-    reason = bench.jaxpar_unavailable(bench.BY_NAME["fsdp8 / ZeRO-3"])
-    assert reason in (None, "not available (zero=3 not supported yet)")
-    assert bench.jaxpar_unavailable(bench.BY_NAME["dp8"]) is None
+@pytest.mark.parametrize("mesh", bench.MESHES, ids=lambda m: m.name)
+def test_jaxpar_takes_every_mesh_maxtext_is_run_on(mesh):
+    assert bench.jaxpar_unavailable(mesh) is None
+
+
+def test_a_mesh_jaxpar_refuses_shows_its_reason_in_the_row():
+    refused = bench.Mesh("fsdp8 / ZeRO-4", {"dp": 8, "zero": 4}, {})
+    reason = bench.jaxpar_unavailable(refused)
+    assert reason.startswith("failed: ") and "zero=4" in reason
+    run = bench.run_jaxpar(refused, "default", steps=2, workdir="/nonexistent", round_index=0)
+    assert run.error == reason and not run.seconds
 
 
 def test_without_maxtext_it_says_how_to_install_and_exits_0(tmp_path, capsys):

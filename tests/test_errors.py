@@ -128,14 +128,50 @@ def test_model_config_refuses_bad_fields(kw, match):
         reference.ModelConfig(**kw)
 
 
-@settings(max_examples=60, deadline=None)
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and value == value
+
+
+def model_field_accepted(field: str, value) -> bool:
+    """Whether ModelConfig(**{field: value}) is a model, by the rules its docstring and
+    the lecture give, every other field at its default (8 heads and 8 KV heads of 4, no
+    experts, top_k 2, no rotary embedding): sizes whole numbers from 1 (n_experts from 0,
+    and then at least top_k) to 2^24; query heads a multiple of the KV heads; the MLP
+    gelu or swiglu; flags bools; norm_eps a finite real > 0; rope_theta 0 or a finite base
+    above 1; a dense model routes nothing (router softmax, no balance loss, no bias)."""
+    if field in ("vocab", "d_model", "head_dim", "d_ff", "n_layers", "top_k", "n_heads", "n_kv_heads"):
+        divides = {"n_heads": lambda n: n % 8 == 0, "n_kv_heads": lambda n: 8 % n == 0}.get(field, lambda n: True)
+        return _is_int(value) and 1 <= value <= 1 << 24 and divides(value)
+    if field == "n_experts":
+        return _is_int(value) and (value == 0 or 2 <= value <= 1 << 24)
+    if field == "mlp":
+        return value in ("gelu", "swiglu") and isinstance(value, str)
+    if field in ("moe_renormalize", "causal"):
+        return isinstance(value, bool)
+    if field == "norm_eps":
+        return _is_real(value) and 0 < value < float("inf")
+    if field == "rope_theta":
+        return _is_real(value) and (value == 0 or 1 < value < float("inf"))
+    if field == "router":
+        return value == "softmax" and isinstance(value, str)
+    assert field in ("aux_loss", "bias_rate"), field
+    return _is_real(value) and value == 0
+
+
+@settings(max_examples=80, deadline=None)
 @given(field=st.sampled_from(sorted(FIELDS)), value=JUNK)
-def test_model_config_builds_or_refuses_with_a_config_error(field, value):
-    try:
-        cfg = reference.ModelConfig(**{field: value})
-    except ConfigError:
-        return
-    assert getattr(cfg, field) == value
+def test_model_config_builds_exactly_what_the_rules_accept(field, value):
+    """A config the rules accept builds, holding the value; any other is refused with a
+    ConfigError naming the field."""
+    if model_field_accepted(field, value):
+        assert getattr(reference.ModelConfig(**{field: value}), field) == value
+    else:
+        with pytest.raises(ConfigError, match=field):
+            reference.ModelConfig(**{field: value})
 
 
 def test_reference_functions_refuse_bad_arrays():
@@ -162,16 +198,36 @@ def test_reference_functions_refuse_bad_arrays():
 
 # ---- schedules and formulas ------------------------------------------------------------------
 
+def schedule_accepted(name, p, m, v, costs) -> bool:
+    """Whether schedule.make(name, p, m, v, costs) is a schedule, by the schedules' own
+    rules: a registered name; p, m and chunks whole numbers from 1 (chunks defaulting to
+    2 for interleaved and dualpipe-v, else 1); one chunk but for interleaved (2 or more,
+    and m a multiple of p: Megatron's) and dualpipe-v (2, and m >= 2p - 1: device 0 runs
+    2p - 1 forwards before its first backward); ZB-H1 and ZB-H2 m >= p; costs a mapping of
+    the schedule's kinds (F, B, and W where the backward is split) to whole ticks >= 1."""
+    if not (isinstance(name, str) and name in orders.REGISTRY):
+        return False
+    chunks = (2 if name in ("interleaved", "dualpipe-v") else 1) if v is None else v
+    if not all(_is_int(n) and n >= 1 for n in (p, m, chunks)):
+        return False
+    shape = {"interleaved": chunks >= 2 and m % p == 0, "zb-h1": chunks == 1 and m >= p,
+             "zb-h2": chunks == 1 and m >= p, "dualpipe-v": chunks == 2 and m >= 2 * p - 1}.get(name, chunks == 1)
+    kinds = "FBW" if name in ("zb-h1", "zb-h2", "dualpipe-v") else "FB"
+    return shape and (costs is None or isinstance(costs, dict) and all(
+        k in kinds and _is_int(c) and c >= 1 for k, c in costs.items()))
+
+
 @settings(max_examples=150, deadline=None)
 @given(name=st.one_of(st.sampled_from(sorted(orders.REGISTRY)), JUNK), p=JUNK, m=JUNK,
        v=st.one_of(st.none(), JUNK),
        costs=st.one_of(st.none(), JUNK, st.dictionaries(st.sampled_from(["F", "B", "W", "X", 1]), JUNK, max_size=2)))
-def test_schedule_make_builds_or_refuses_with_a_config_error(name, p, m, v, costs):
-    try:
+def test_schedule_make_builds_exactly_what_the_rules_accept(name, p, m, v, costs):
+    if schedule_accepted(name, p, m, v, costs):
         s = schedule.make(name, p, m, v, costs)
-    except ConfigError:
-        return
-    assert s.stages == p and s.microbatches == m
+        assert (s.name, s.stages, s.microbatches) == (name, p, m)
+    else:
+        with pytest.raises(ConfigError):
+            schedule.make(name, p, m, v, costs)
 
 
 def test_formulas_refuse_sizes_that_do_not_split():

@@ -4,6 +4,7 @@ checks that refuse a config no model has (jaxpar.errors.ConfigError naming the f
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Literal
 
 from jaxpar import errors
@@ -47,7 +48,7 @@ class ModelConfig:
         errors.flag("moe_renormalize", self.moe_renormalize)
         errors.flag("causal", self.causal)
         errors.number("norm_eps", self.norm_eps, fix="norm_eps is the RMSNorm epsilon, e.g. norm_eps=1e-6")
-        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or not (
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, numbers.Real) or not (
                 self.rope_theta == 0 or 1 < self.rope_theta < float("inf")):
             raise ConfigError(f"rope_theta={self.rope_theta!r}: give 0 (no rotary embedding) or a base > 1, "
                               "e.g. rope_theta=10000.0")
@@ -69,7 +70,7 @@ class ModelConfig:
         errors.one_of("router", self.router, ROUTERS)
         for name, example in (("aux_loss", "aux_loss=0.01 (Switch)"), ("bias_rate", "bias_rate=0.001 (DeepSeek-V3)")):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < float("inf"):
                 raise ConfigError(f"{name}={value!r}: give a finite number >= 0 (0: off), e.g. {example}")
         asked = [f"{name}={getattr(self, name)!r}" for name, off in (("router", "softmax"), ("aux_loss", 0),
                                                                      ("bias_rate", 0)) if getattr(self, name) != off]

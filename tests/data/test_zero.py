@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import mesh as mesh_lib
+from jaxpar import testing
 from jaxpar.collectives import varying
 from jaxpar.data import verify, zero
 from jaxpar.errors import ConfigError
@@ -149,16 +150,21 @@ def test_fused_gathers_are_the_per_weight_ones_exactly_in_one_collective_per_gro
         specs = {"a": P("dp"), "b": P(None, ("tp", "dp")), "c": P(None, "dp"), "d": P(None, "dp"), "v": P()}
         dims = {"a": 0, "b": 1, "c": 1, "d": 1, "v": -1} if dp > 1 else dict.fromkeys(w, -1)   # as zero.plan
 
+        # two outputs, each held to its own dtype's rule: y32 from the float32 weights (and h),
+        # y64 = h @ c in float64, so the float64 weight's gradient (h's rows, computed alike on
+        # any mesh, times y64) is float64's to 1e-12
         def fn(p, x):               # every weight read in the backward but d and v
             h = jnp.tanh(x @ p["a"]) * p["v"]                                     # [B, 4]
             t = jnp.einsum("bf,fkj->bkj", h[:, :3], p["b"]).sum(axis=(1, 2))     # b: [3, 8, 2] per tp rank
-            y = (h.astype(jnp.float64) @ p["c"]).astype(jnp.float32)
-            return y + jax.lax.psum(t, "tp")[:, None] + p["d"].sum(0)
+            return jax.lax.psum(t, "tp")[:, None] + p["d"].sum(0), h.astype(jnp.float64) @ p["c"]
+
+        def loss(y32, y64):
+            return jnp.sum(y32 ** 2), jnp.sum(y64 ** 2)
 
         def per_device(shard, x, fuse):
             layer = zero.gathered(fn, dims, fuse=fuse)
-            out, (grads, dx) = jax.value_and_grad(lambda s, x: jnp.sum(layer(s, x) ** 2), argnums=(0, 1))(shard, x)
-            return jax.lax.psum(out, "dp"), grads, dx
+            out, (grads, dx) = jax.value_and_grad(lambda s, x: sum(loss(*layer(s, x))), argnums=(0, 1))(shard, x)
+            return jax.lax.psum(loss(*layer(shard, x)), "dp"), grads, dx
 
         x = jnp.linspace(-1, 1, 2 * dp * 8).reshape(2 * dp, 8).astype(jnp.float32)
         run = {fuse: jax.jit(jax.shard_map(lambda s, x, fuse=fuse: per_device(s, x, fuse), mesh=m,
@@ -169,15 +175,14 @@ def test_fused_gathers_are_the_per_weight_ones_exactly_in_one_collective_per_gro
         def unsharded(p, x):        # fn on the whole weights and batch: tp's sum over b is the sum over all of b
             h = jnp.tanh(x @ p["a"]) * p["v"]
             t = jnp.einsum("bf,fkj->bkj", h[:, :3], p["b"]).sum(axis=(1, 2))
-            y = (h.astype(jnp.float64) @ p["c"]).astype(jnp.float32) + t[:, None] + p["d"].sum(0)
-            return jnp.sum(y ** 2)
-        ref_out, (ref_grads, ref_dx) = jax.value_and_grad(unsharded, argnums=(0, 1))(w, x)
-        close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5)
-        close(out, ref_out)
-        close(dx, ref_dx)
-        for k in w:
-            close(grads[k], ref_grads[k], err_msg=k)
-        np.testing.assert_array_equal(fused_out, out)
+            return loss(t[:, None] + p["d"].sum(0), h.astype(jnp.float64) @ p["c"])
+        ref_out = unsharded(w, x)
+        ref_grads, ref_dx = jax.grad(lambda p, x: sum(unsharded(p, x)), argnums=(0, 1))(w, x)
+        assert (out[1].dtype, grads["c"].dtype) == (jnp.float64, jnp.float64)
+        for got, want in ((out, ref_out), (dx, ref_dx), (grads, ref_grads)):
+            testing.assert_close(got, want)         # leaf by leaf, each by its dtype (jaxpar.testing.tolerance)
+        for a, b in zip(fused_out, out):
+            np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(fused_dx, dx)
         for k in w:
             assert fused_grads[k].dtype == w[k].dtype

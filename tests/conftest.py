@@ -78,6 +78,7 @@ LONGEST_FIRST = (
     "tests/train/test_checkpoint.py::test_sigkill",
     "tests/cli/test_train_multihost.py",
     "tests/train/test_zero3.py",
+    "tests/train/test_parity.py",
     "tests/cli/test_train_cli.py",
     "tests/train/test_bf16.py",
     "tests/train/test_train.py",

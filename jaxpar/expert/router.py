@@ -87,7 +87,9 @@ def route(router, x, *, top_k: int, scoring: str = "softmax", renormalize: bool 
 def select_experts(router, x, *, top_k: int, scoring: str, renormalize: bool, bias) -> Routing:
     """`route` on inputs check_route has passed: each token of x [t, D] scored by router
     [D, E], its top_k experts chosen and gated."""
-    logits = jnp.einsum("td,de->te", x, router.astype(x.dtype))
+    # the weight itself where it is in x's dtype (a ZeRO-3 backward then gathers it again,
+    # as every matrix; a converted copy would be kept from the forward, whole)
+    logits = jnp.einsum("td,de->te", x, router if router.dtype == x.dtype else router.astype(x.dtype))
     if scoring == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
         weights, experts = jax.lax.top_k(probs, top_k)

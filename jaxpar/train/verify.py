@@ -107,13 +107,12 @@ def reference_run(cfg: reference.ModelConfig, optim: OptimConfig, steps: int, ba
     (compute_name, e.g. "bfloat16": mixed precision, reference.loss's casts)."""
     dtype = jnp.dtype(dtype_name)
     parts = reference_parts(cfg, optim, compute_name)      # the step in the halves `judged_run` compiles
-    params = reference.init_params(jax.random.key(0), cfg, dtype)
-    opt = parts.tx.init(params)
+    params = jax.device_get(reference.init_params(jax.random.key(0), cfg, dtype))
+    opt = jax.device_get(parts.tx.init(params))
     corpus, losses, norms = Corpus(vocab=cfg.vocab), [], []
     for i in range(steps):
-        loss, grads, norm, load = parts.gradients(params, jnp.asarray(corpus.batch(i, batch_size=batch_size,
-                                                                                    seq_len=seq_len)))
-        params, opt = parts.apply(params, opt, grads, load)
+        loss, grads, norm, load = parts.gradients(params, corpus.batch(i, batch_size=batch_size, seq_len=seq_len))
+        params, opt = jax.device_get(parts.apply(params, opt, grads, load))
         losses.append(float(loss))
         norms.append(float(norm))
     return np.array(losses), np.array(norms), jax.device_get(params)
@@ -175,7 +174,7 @@ def step_errors(parts, before, after, metrics, tokens, b1: float, dtype) -> dict
     (p0, opt0, _), (p1, opt1, _) = before, after
     loss, grads, norm, load = parts.gradients(p0, tokens)
     applied, unresolved = applied_gradients(opt0, opt1, b1, dtype)
-    as_params = jax.tree.unflatten(jax.tree.structure(p0), [jnp.asarray(g, dtype) for g in applied])
+    as_params = jax.tree.unflatten(jax.tree.structure(p0), [g.astype(dtype) for g in applied])
     ref_p1, ref_opt1 = parts.apply(p0, _joined(opt0), as_params, load)
     start, new, ref_new, ref_grads = _leaves(p0), _leaves(p1), _leaves(ref_p1), _leaves(grads)
     spacing = [np.abs(np.spacing(np.asarray(a, dtype))).astype(np.float64) for a in ref_new]
@@ -197,12 +196,14 @@ def judged_run(trainer: Trainer, steps: int) -> tuple[dict[str, float], np.ndarr
     parts = reference_parts(trainer.cfg, trainer.optim, trainer.compute_dtype)
     corpus, errors = Corpus(vocab=trainer.cfg.vocab), {}
     state = trainer.init(jax.random.key(0))
-    before, losses, norms = trainer.canonical(state), [], []
+    # on the host: the unsharded model's halves take the same inputs as in reference_run
+    # (one compiled program each), not arrays laid out on the trainer's mesh
+    before, losses, norms = jax.device_get(trainer.canonical(state)), [], []
     for i in range(steps):
         tokens = corpus.batch(i, batch_size=trainer.batch_size, seq_len=trainer.seq_len)
         state, m = trainer.step(state, tokens)
-        after = trainer.canonical(state)
-        found = step_errors(parts, before, after, m, jnp.asarray(tokens), trainer.optim.b1, dtype)
+        after = jax.device_get(trainer.canonical(state))
+        found = step_errors(parts, before, after, m, tokens, trainer.optim.b1, dtype)
         errors = {k: max(v, errors.get(k, 0.0)) for k, v in found.items()}
         losses.append(float(m["loss"]))
         norms.append(float(m["norm"]))

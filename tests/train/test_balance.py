@@ -2,7 +2,6 @@
 meshes, equal the unsharded model computing the same terms (jaxpar/reference/)."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +12,7 @@ from jaxpar import comms, reference
 from jaxpar.errors import ConfigError
 from jaxpar.expert import formulas, router
 from jaxpar.pipeline import direct
-from jaxpar.train import model
+from jaxpar.train import model, verify
 from jaxpar.train.data import Corpus
 from jaxpar.train.optim import OptimConfig
 from jaxpar.train.spec import ParallelSpec
@@ -40,50 +39,25 @@ MESHES = {
 }
 
 
-@functools.cache
-def reference_step(cfg):
-    return reference_trainer(cfg, OPTIM)
-
-
-@functools.cache
-def reference_losses(cfg, dtype=jnp.float32):
-    tx, step = reference_step(cfg)
-    params = reference.init_params(jax.random.key(0), cfg, dtype)
-    opt, corpus, losses, norms = tx.init(params), Corpus(vocab=cfg.vocab), [], []
-    for i in range(STEPS):
-        params, opt, loss, norm = step(params, opt, jnp.asarray(corpus.batch(i, batch_size=BATCH, seq_len=SEQ)))
-        losses.append(float(loss))
-        norms.append(float(norm))
-    return np.array(losses), np.array(norms), jax.device_get(params)
-
-
-def parity_errors(spec, cfg, dtype=jnp.float32) -> tuple[dict, dict, Trainer]:
-    """({name: max relative error} of the losses, the gradient norms and every parameter
-    after STEPS steps on `spec` against the unsharded model, the final params, the trainer)."""
-    trainer = Trainer(cfg, spec, OPTIM, batch_size=BATCH, seq_len=SEQ, devices=jax.devices()[:spec.devices],
-                      dtype=dtype)
-    corpus, state, losses, norms = Corpus(vocab=cfg.vocab), trainer.init(jax.random.key(0)), [], []
-    for i in range(STEPS):
-        state, m = trainer.step(state, corpus.batch(i, batch_size=BATCH, seq_len=SEQ))
-        losses.append(float(m["loss"]))
-        norms.append(float(m["norm"]))
-    params = jax.device_get(trainer.canonical(state)[0])
-    ref_losses, ref_norms, ref_params = reference_losses(cfg, dtype)
-    errors = {"losses": rel(losses, ref_losses), "norms": rel(norms, ref_norms),
-              **{jax.tree_util.keystr(k): rel(a, b) for (k, a), b in
-                 zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(ref_params))}}
-    return errors, params, trainer
-
-
-def rel(a, b) -> float:
-    return float(np.max(np.abs(np.asarray(a) - b)) / max(np.max(np.abs(b)), 1e-30))
+def trained(spec, cfg, steps=STEPS) -> tuple[dict, Trainer]:
+    """(the params after `steps` steps on `spec`, the trainer): verify.parity's step, from
+    the step cache."""
+    trainer = Trainer(cfg, spec, OPTIM, batch_size=BATCH, seq_len=SEQ, devices=jax.devices()[:spec.devices])
+    corpus, state = Corpus(vocab=cfg.vocab), trainer.init(jax.random.key(0))
+    for i in range(steps):
+        state, _ = trainer.step(state, corpus.batch(i, batch_size=BATCH, seq_len=SEQ))
+    return jax.device_get(trainer.canonical(state)[0]), trainer
 
 
 @pytest.mark.parametrize("name", list(MESHES))
 def test_balancing_on_a_mesh_equals_the_unsharded_model(name):
+    """Each step at the same weights (the loss with its balance term, the gradients, the
+    update, the router bias moved by the same load) and the run's losses and norms
+    (`verify.parity`), to the float32 rule."""
     spec, cfg = MESHES[name]
-    errors, params, trainer = parity_errors(spec, cfg)
-    assert max(errors.values()) <= 1e-5, errors
+    r = verify.parity(spec, cfg, steps=STEPS, batch_size=BATCH, seq_len=SEQ, optim=OPTIM)
+    assert r.passed, r.errors
+    params, trainer = trained(spec, cfg)
     if cfg.bias_rate:   # the bias moved, by whole steps of bias_rate
         bias = params["blocks"]["router_bias"]
         assert np.abs(bias).max() > 0
@@ -93,8 +67,9 @@ def test_balancing_on_a_mesh_equals_the_unsharded_model(name):
 
 
 def test_balancing_in_float64_equals_the_unsharded_model(x64):
-    errors = parity_errors(ParallelSpec(cp=2, tp=2, sequence_parallel=True), BOTH, jnp.float64)[0]
-    assert max(errors.values()) <= 1e-12, errors
+    r = verify.parity(ParallelSpec(cp=2, tp=2, sequence_parallel=True), BOTH, steps=STEPS, batch_size=BATCH,
+                      seq_len=SEQ, optim=OPTIM, dtype=jnp.float64)
+    assert r.passed and r.tolerance[0] == 1e-12, r.errors
 
 
 def _check_the_cp_all_reduce(trainer, cfg):
@@ -173,7 +148,7 @@ def test_the_bias_moves_toward_the_underloaded_experts():
     params = reference.init_params(jax.random.key(0), cfg)
     params["blocks"]["router_bias"] = params["blocks"]["router_bias"].at[:, 0].set(2.0)
     tokens = jnp.asarray(Corpus(vocab=cfg.vocab).batch(0, batch_size=BATCH, seq_len=SEQ))
-    tx, step = reference_step(cfg)
+    tx, step = reference_trainer(cfg, OPTIM)
     new = step(params, tx.init(params), tokens)[0]["blocks"]["router_bias"]
     # the load the rule read: expert 0 took every token's first slot
     hot = jax.jit(lambda p, t: reference.loss_and_balance(p, t, cfg)[1]["load"])(params, tokens)

@@ -6,7 +6,7 @@ step's collectives equal to the formulas (the pipeline's sends, every stage coll
 every pp rank, the gradient reduction, norm, loss and ZeRO).
 
 Four named compositions of three or four techniques each run every time (`NAMED`); then
-five families of three draws in `make test` (a fixed seed per family: the same 15 every
+five families of two draws in `make test` (a fixed seed per family: the same 10 every
 run, one compiled step each, most of two or three axes above 1); JAXPAR_DRAWN=N draws N
 per family instead, with a fresh seed unless JAXPAR_DRAWN_SEED is set, and
 JAXPAR_DRAWN_LOG=FILE appends a line per example (hundreds: docs/train.md gives the
@@ -28,7 +28,7 @@ from jaxpar.train.spec import ParallelSpec
 from jaxpar.train.step import Trainer
 from tests.train.drawn import FAMILIES, Drawn, configurations
 
-EXAMPLES = int(os.environ.get("JAXPAR_DRAWN", "3"))
+EXAMPLES = int(os.environ.get("JAXPAR_DRAWN", "2"))
 SEED = int(os.environ["JAXPAR_DRAWN_SEED"]) if "JAXPAR_DRAWN_SEED" in os.environ else (
     None if "JAXPAR_DRAWN" in os.environ else 0)
 OPTIM = OptimConfig(lr=1e-2, warmup=1, steps=3, clip=0.5)

@@ -1,7 +1,8 @@
 """The parity check itself (`train.verify.parity`, `mixed_parity`): each step judged at the
 weights it started from, so it passes a correct program whose weights drift apart over
-several AdamW steps, and fails each of three bugs planted in the sharded step, in float32
-and in bf16, through the gradients it applied (read back from AdamW's first moment)."""
+several AdamW steps, and fails each of three bugs planted in the sharded step through the
+gradients it applied (read back from AdamW's first moment), and in bf16 the one AdamW's
+update and the norm hide."""
 
 import dataclasses
 
@@ -48,7 +49,7 @@ def _first_microbatch_twice(grads, again):
     return jax.tree.map(lambda g, a: g + a / m, grads, repeated)
 
 
-PLANTS = {"nothing": lambda grads, _: grads, "one leaf's gradient doubled": _double_one_leaf, "one layer's gradient dropped": _drop_one_layer,
+PLANTS = {"one leaf's gradient doubled": _double_one_leaf, "one layer's gradient dropped": _drop_one_layer,
           "the first microbatch counted twice": _first_microbatch_twice}
 
 
@@ -80,20 +81,17 @@ MESH = ParallelSpec(dp=2, tp=2, microbatches=2)
 def test_a_planted_bug_fails_the_float32_check_by_its_gradients(plant, kind):
     plant(kind)
     r = verify.parity(MESH, verify.DENSE, steps=2)
-    assert r.passed == (kind == "nothing"), r.errors
-    if kind != "nothing":
-        assert r.errors["gradients"] > 100 * tolerance(jnp.float32)[0], r.errors
+    assert not r.passed
+    assert r.errors["gradients"] > 100 * tolerance(jnp.float32)[0], r.errors
 
 
-@pytest.mark.parametrize("kind", list(PLANTS))
-def test_a_planted_bug_fails_the_bf16_check_by_a_leaf_s_direction_or_length(plant, kind):
-    """AdamW's update hides each of them (it divides a gradient by its own scale), and the
-    global norm the doubled gain (0.1 %, under bf16's 1e-2); a leaf's direction or length
-    shows each."""
-    plant(kind)
-    r = verify.mixed_parity(dataclasses.replace(MESH, dp=1), verify.DENSE, steps=2)
-    assert r.passed == (kind == "nothing"), r.errors
-    bounds = verify.MIXED_BOUNDS
-    if kind != "nothing":
-        assert (r.errors["gradient scales"] > 5 * bounds["gradient scales"]
-                or r.errors["gradient directions"] > 10 * bounds["gradient directions"]), r.errors
+def test_a_doubled_gain_fails_the_bf16_check_by_its_length(plant):
+    """The former bf16 check missed it: AdamW's update hides it (it divides a gradient by
+    its own scale), the global norm moves by 0.1 %, under bf16's 1e-2; the leaf's length is
+    off by 9 % (bf16's rounding: at most 0.9 %). The same mesh with nothing planted passes
+    (tests/train/test_bf16.py)."""
+    plant("one leaf's gradient doubled")
+    r = verify.mixed_parity(dataclasses.replace(MESH, microbatches=1), verify.DENSE, steps=2)
+    assert not r.passed
+    assert r.errors["grad norms"] <= verify.MIXED_BOUNDS["grad norms"], r.errors
+    assert r.errors["gradient scales"] > 2 * verify.MIXED_BOUNDS["gradient scales"], r.errors

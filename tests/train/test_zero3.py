@@ -80,18 +80,22 @@ def test_zero3_stores_a_dp_th_of_every_weight_and_of_its_state():
 
 
 # What each function's backward gathers again, by hand: the matrices its pullback reads
-# (dL/dx = dL/dy W^T, the router's too: dL/dx through the gates' logits); not the
+# (dL/dx = dL/dy W^T; the router's too, dL/dx through the gates' logits); not the
 # embedding (a lookup's pullback reads no table), nor a norm's gain or the router's bias
-# (vectors, kept whole: never gathered at all)
+# (vectors, kept whole: never gathered at all). Under tp the router, replicated over tp,
+# enters its matmul marked varying over tp (shard_map's implicit pvary: a copy), and the
+# pullback keeps that copy as any residual: its D x E elements stay whole from F to B.
 MATRICES = {"wq", "wk", "wv", "wo", "w_up", "w_gate", "w_down"}
 REGATHERED = {
     "dense": {"blocks": MATRICES, "first": set(), "last": {"unembed"}},
     "MoE": {"blocks": MATRICES | {"router"}, "first": set(), "last": {"unembed"}},
+    "MoE under tp": {"blocks": MATRICES, "first": set(), "last": {"unembed"}},
 }
 WHOLE = {"attn_norm", "mlp_norm", "final_norm", "router_bias"}
 
 
 @pytest.mark.parametrize("name,model_name", [("dp4 m2 (one stage, microbatch loop)", "dense"),
+                                             ("dp2 ep2 tp2 MoE", "MoE under tp"),
                                              ("dp2 pp2 ep2 MoE, balance loss and bias", "MoE")])
 def test_zero3_regathers_in_the_backward_what_its_pullback_reads(name, model_name):
     spec, cfg = MESHES[name]

@@ -26,7 +26,8 @@ from jaxpar import reference
 from jaxpar.train.data import Corpus
 from jaxpar.train.optim import OptimConfig
 from jaxpar.train.spec import ParallelSpec
-from jaxpar.train.step import Trainer, reference_trainer
+from jaxpar.train.step import Trainer
+from jaxpar.train.unsharded import reference_trainer
 from jaxpar.train.summary import collectives, matches
 
 SIZES = {  # name -> (model, batch, seq)

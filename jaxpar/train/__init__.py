@@ -5,6 +5,7 @@
                 embedding and head (TP/SP, ring or Ulysses over cp, the MoE over ep)
     step        Trainer: ONE jitted step, one shard_map over every axis (pipeline, one
                 gradient reduction or ZeRO-1, global-norm clipping, AdamW)
+    unsharded   the same step on one device, plain jit: what every parity check compares with
     balance     MoE load balancing: the per-sequence balance loss inside the stages, the
                 loads for DeepSeek-V3's router bias
     optim       OptimConfig: optax AdamW, warm-up + cosine, the true global norm
@@ -24,7 +25,8 @@ from jaxpar import lazy
 _EXPORTS = {
     "spec": ("ParallelSpec", "parse"),
     "model": ("LanguageModel",),
-    "step": ("Trainer", "TrainState", "reference_trainer", "reference_parts"),
+    "step": ("Trainer", "TrainState"),
+    "unsharded": ("reference_trainer", "reference_parts"),
     "optim": ("OptimConfig",),
     "data": ("Corpus",),
     "text": ("TokenData", "prepare", "check_vocab"),

@@ -34,7 +34,7 @@ nothing is counted twice) in one all-reduce per step.
 The bias (blocks["router_bias"], [L, E]) only chooses: its gradient is zero, so it adds
 nothing to the gradient norm or the clipping, and AdamW's update of it is replaced by
 DeepSeek-V3's rule, b += bias_rate * sign(mean load - load) (`expert.router.update_bias`),
-in the sharded step and in `step.reference_trainer` alike (`update_bias`).
+in the sharded step and in `unsharded.reference_trainer` alike (`update_bias`).
 """
 
 from __future__ import annotations

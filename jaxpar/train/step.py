@@ -62,8 +62,6 @@ from jaxpar.train.spec import ParallelSpec
 # request -> the Trainer that built its step, as jax.jit keeps one per signature: the last 16
 # built, the oldest dropped first (a hit does not renew an entry)
 _BUILT: dict = {}
-# (cfg, optim[, compute dtype]) -> (ReferenceParts, reference_trainer's jitted step); a handful a process
-_REFERENCE: dict = {}
 
 
 class TrainState(NamedTuple):
@@ -354,39 +352,6 @@ class Trainer:
                                                  opt=self.tx.init(self.shapes)))
 
 
-class ReferenceParts(NamedTuple):
-    """The unsharded step in its two halves, for a check at the weights of another run
-    (`train.verify.parity`): `gradients(params, tokens)` -> (loss, the gradients clipped by
-    their norm, the norm, the MoE load), and `apply(params, opt, clipped gradients, load)`
-    -> (params, opt): AdamW and the router bias's move. Both jitted."""
-
-    tx: optax.GradientTransformation
-    gradients: Any
-    apply: Any
-
-
-def reference_trainer(cfg: reference.ModelConfig, optim: optim_lib.OptimConfig, compute_dtype=None):
-    """The unsharded step the parity tests compare against: (params, opt, tokens) ->
-    (params, opt, loss, norm), reference.loss with optax.tree.norm and the same AdamW;
-    the router bias, if any, moved by the whole batch's load (`balance.update_bias`). One
-    (tx, step) per (cfg, optim, compute_dtype): the step's compiled programs are shared by
-    every caller. compute_dtype: mixed precision, as `Trainer`'s (reference.loss's casts)."""
-    parts, step = _reference(cfg, optim, compute_dtype)
-    return parts.tx, step
-
-
-def reference_parts(cfg: reference.ModelConfig, optim: optim_lib.OptimConfig, compute_dtype=None) -> ReferenceParts:
-    """`reference_trainer`'s step in two jitted halves (`ReferenceParts`), shared likewise."""
-    return _reference(cfg, optim, compute_dtype)[0]
-
-
-def _reference(cfg, optim, compute_dtype):
-    key = (cfg, optim) if compute_dtype is None else (cfg, optim, jnp.dtype(compute_dtype).name)
-    if key not in _REFERENCE:
-        _REFERENCE[key] = _reference_step(cfg, optim, compute_dtype)
-    return _REFERENCE[key]
-
-
 def _compute_dtype(compute_dtype, dtype) -> np.dtype:
     """The dtype the trainer's layers run in: compute_dtype (None: dtype), refused unless
     float32 or bfloat16 (or float64 under jax_enable_x64)."""
@@ -403,23 +368,3 @@ def _compute_dtype(compute_dtype, dtype) -> np.dtype:
                           "Fix: compute_dtype=jnp.bfloat16 (mixed precision: float32 weights and AdamW, bf16 "
                           "layers) or None (compute in dtype)")
     return jnp.dtype(name)
-
-
-def _reference_step(cfg: reference.ModelConfig, optim: optim_lib.OptimConfig, compute_dtype=None):
-    tx = optim.transform()
-
-    def gradients(params, tokens):
-        (loss, terms), grads = jax.value_and_grad(reference.loss_and_balance, has_aux=True)(params, tokens, cfg,
-                                                                                            compute_dtype)
-        norm = optax.tree.norm(grads)
-        return loss, optim_lib.clip(grads, norm, optim.clip), norm, terms["load"]
-
-    def apply(params, opt, grads, load):
-        updates, opt = tx.update(grads, opt, params)
-        return balance.update_bias(optax.apply_updates(params, updates), params, load, cfg), opt
-
-    @jax.jit
-    def step(params, opt, tokens):
-        loss, grads, norm, load = gradients(params, tokens)
-        return *apply(params, opt, grads, load), loss, norm
-    return ReferenceParts(tx, jax.jit(gradients), jax.jit(apply)), step

@@ -1,7 +1,7 @@
 """Composition proven: `jaxpar verify pp-tp`, `jaxpar verify train`, their tour rows.
 
 `parity(spec, steps=20)`: the composed model trained for 20 steps on `spec`'s mesh
-(`step.Trainer`) against the unsharded model (`step.reference_parts`: reference.loss,
+(`step.Trainer`) against the unsharded model (`unsharded.reference_parts`: reference.loss,
 optax's norm, the same AdamW), each step at the weights it started from: its loss,
 gradient norm and every gradient (read back from AdamW's first moment), and the update
 AdamW makes of them; and the run's losses and gradient norms against the unsharded
@@ -37,7 +37,8 @@ from jaxpar.train import stages, summary
 from jaxpar.train.data import Corpus
 from jaxpar.train.optim import OptimConfig
 from jaxpar.train.spec import ParallelSpec
-from jaxpar.train.step import Trainer, reference_parts
+from jaxpar.train.step import Trainer
+from jaxpar.train.unsharded import reference_parts
 
 CFG = reference.ModelConfig(n_layers=4, d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=32, mlp="swiglu",
                             vocab=32)

@@ -16,7 +16,8 @@ from jaxpar.train import model, verify
 from jaxpar.train.data import Corpus
 from jaxpar.train.optim import OptimConfig
 from jaxpar.train.spec import ParallelSpec
-from jaxpar.train.step import Trainer, reference_trainer
+from jaxpar.train.step import Trainer
+from jaxpar.train.unsharded import reference_trainer
 
 MOE = reference.ModelConfig(n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=32, mlp="swiglu",
                             vocab=32, rope_theta=10000.0, n_experts=4, top_k=2)

@@ -122,11 +122,10 @@ def _shared_hops(*, cfg, spec, batch_size: int, seq_len: int, dtype) -> Collecti
     forward in the same computation (the recomputed one under recompute=True, else the
     first): XLA's CSE keeps one of each pair it sees outside a loop, the first hop, and
     with cp = 3 the second (context.ring._ring: steps 1..cp-2 are a scan, inlined when it
-    runs once). Under recompute="dots" the first only: the forward's scan is split by the
-    checkpoint into one that keeps its hop's output and one the backward runs, and the
-    backward's own hops go to the loop's copy. (With "dots" B reads the forward's K/V
-    buffer, context.ring.KV_NAME, not a recomputed copy, so the first hop is merged as
-    without recompute.)"""
+    runs once). Under recompute="dots" the first only: the checkpoint splits the forward's
+    inner scan in two (one keeps the hops' outputs, one runs in the backward), so the hops
+    of steps 1..cp-2 never meet their twins; B reads the forward's K/V buffer
+    (context.ring.KV_NAME, kept by "dots"), so its first hop meets the forward's."""
     if spec.cp == 1 or spec.attention != "ring":
         return Collectives()
     merged = spec.cp - 1 if spec.cp <= 3 and spec.recompute != "dots" else 1

@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -2,7 +2,6 @@
 slice and the all-gather exact on rank-coded inputs, two AdamW steps equal to the unsharded
 ones with a dp-th of the state per device, the collectives equal to data.formulas."""
 
-import functools
 
 import jax
 import jax.numpy as jnp

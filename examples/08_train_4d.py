@@ -39,7 +39,7 @@ from flax import nnx  # noqa: E402
 from jaxpar import reference, testing  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
 from jaxpar.train import Checkpoints, Corpus, LanguageModel, OptimConfig, ParallelSpec, Trainer, fit  # noqa: E402
-from jaxpar.train import reference_trainer, summary, verify  # noqa: E402
+from jaxpar.train import checkpoint, reference_trainer, summary, verify  # noqa: E402
 
 # a small Llama-style decoder: RoPE, grouped-query attention, SwiGLU
 CFG = reference.ModelConfig(n_layers=4, d_model=16, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=32, mlp="swiglu",
@@ -123,6 +123,9 @@ def demo_checkpoint(trainer, state, saved, directory):
     same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)))
     print(f"  restored on {spec.describe()}: parameters, AdamW moments and step equal to the saved ones, bit for bit: "
           f"{'ok' if same else 'FAILED'}; fit(other, steps=20, state=...) trains on from there")
+    for step in checkpoint.listing(directory):                       # `jaxpar checkpoint ls DIR`, nothing written
+        print(f"  listed: step {step['step']}, {step['model']} on {step['mesh']}, {step['schedule']['steps']}-step "
+              f"schedule, {'intact' if step['intact'] else step['problem']}")
 
 
 def demo_recompute_dots():

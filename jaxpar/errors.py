@@ -126,6 +126,17 @@ def _kind(dtype) -> str:
     return kind
 
 
+def existing_directory(name: str, path) -> str:
+    """`path` made absolute, if it is an existing directory (nothing is created)."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ConfigError(f"{name}={path!r}: give the path of a directory")
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise ConfigError(f"{name}={path!r} is {'a file' if os.path.exists(path) else 'not there'}: give the "
+                          "path of an existing directory")
+    return path
+
+
 def writable_path(name: str, path, *, directory: bool = False) -> str:
     """`path` made absolute, if this process can write a file (or, with `directory`, a
     directory) there: an existing one of that kind, or a new one in an existing folder.

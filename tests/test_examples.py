@@ -50,7 +50,8 @@ EXPECTED = {
                        "train dp2 x pp2 x tp2 1f1b, 10 steps", "(tolerance 2e-05): ok", (FORMULA, 1),
                        "collectives = the formulas",
                        "restored on pp4 x tp2 1f1b: parameters, AdamW moments and step equal to the saved ones, bit "
-                       "for bit: ok", (re.compile(re.escape("collectives equal to the formulas (none run again in B): ok")), 2),
+                       "for bit: ok", "listed: step 10, L4 D16 N4/2 V32 swiglu on dp2 x pp2 x tp2 1f1b, 20-step schedule, "
+                       "intact", (re.compile(re.escape("collectives equal to the formulas (none run again in B): ok")), 2),
                        (re.compile(r"dots holds 0\.[0-7]\dx the temporaries; 3 steps against the unsharded model: "
                                    r"max relative error \S+ \(tolerance 2e-05\): ok"), 1),
                        # demo 5: ZeRO-3, 4 layers: gathered once in F and once in B each, the embedding

@@ -7,6 +7,7 @@
     jaxpar plan --model llama3-8b    the 3D/4D planner (lecture 7)
     jaxpar exercise 3                the lecture's exercises 1, 3, 7, 8
     jaxpar train --mesh dp=2,pp=2,tp=2 --steps 200   the composed model trained (lecture 7)
+    jaxpar checkpoint ls run/ckpt    the steps a checkpoint directory holds
 
 A subcommand module (COMMANDS) exposes HELP, FLAGS (the library's Python names and the
 flags that set them), add_arguments(parser) and main(args) -> int. A ConfigError (input
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 
@@ -34,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "exercise": "jaxpar.cli.exercise",
     "train": "jaxpar.cli.train",
     "data": "jaxpar.cli.data",
+    "checkpoint": "jaxpar.cli.checkpoint",
 }
 
 
@@ -89,8 +92,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_closed_loops(unraisable) -> None:
+    """sys.unraisablehook without orbax's leftovers: reading a damaged checkpoint leaves
+    tensorstore callbacks that find orbax's event loop closed, one traceback each, after
+    the refusal the command prints as its one line; anything else is printed as usual."""
+    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+        sys.__unraisablehook__(unraisable)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    sys.unraisablehook = _quiet_closed_loops
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)    # the same reads' futures, never retrieved
+    logging.getLogger("absl").setLevel(logging.ERROR)          # orbax's notes (a step without metadata, ...)
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:

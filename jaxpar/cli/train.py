@@ -43,7 +43,7 @@ FLAGS = {"dp": "--mesh dp", "pp": "--mesh pp", "tp": "--mesh tp", "cp": "--mesh 
          "directory": "--checkpoint", "log": "--log", "router": "--router", "aux_loss": "--aux-loss",
          "bias_rate": "--bias-rate", "top_k": "--top-k", "eval_every": "--eval-every",
          "eval_batches": "--eval-batches", "coordinator": "--coordinator", "num_processes": "--processes",
-         "process_id": "--process-id", "profile": "--profile"}
+         "process_id": "--process-id", "profile": "--profile", "resume": "--resume", "clip": "--clip"}
 RECOMPUTE = {"all": True, "dots": "dots"}     # --recompute's values: ParallelSpec.recompute's
 HELP = "train the composed model on a dp x pp x tp x cp x ep mesh (lecture 7), with a summary"
 
@@ -94,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", default=None,
                         help="directory (its folder must exist): save every --every steps and the last, resume from it")
     parser.add_argument("--every", type=int, default=20)
+    parser.add_argument("--resume", type=int, default=None, metavar="STEP",
+                        help="resume from this step of --checkpoint (default: the latest); a larger --steps than "
+                             "the checkpoint's run extends it")
     parser.add_argument("--log", default=None,
                         help="append one JSON line per step to this file (its folder must exist)")
     parser.add_argument("--data", default=None,
@@ -250,6 +253,10 @@ def main(args) -> int:
 
     if args.checkpoint is not None:
         errors.writable_path("directory", args.checkpoint, directory=True)
+    if args.resume is not None:
+        errors.whole("resume", args.resume, minimum=0, maximum=1 << 62)
+        if args.checkpoint is None:
+            raise errors.ConfigError(f"resume={args.resume}: a step of which checkpoints? give directory= too")
     if args.log is not None:
         errors.writable_path("log", args.log)
     if args.profile is not None:
@@ -269,8 +276,8 @@ def main(args) -> int:
         trainer = Trainer(cfg, spec, optim, batch_size=batch, seq_len=args.seq, devices=devices[:spec.devices],
                           compute_dtype=compute)
         validation = Validation(every_eval, args.eval_batches) if every_eval is not None else None
-        _, history = fit(trainer, steps=args.steps, corpus=data, checkpoints=ckpt, log=args.log,
-                         progress=not (args.quiet or args.json), validation=validation,
+        _, history = fit(trainer, steps=args.steps, corpus=data, checkpoints=ckpt, resume=args.resume,
+                         log=args.log, progress=not (args.quiet or args.json), validation=validation,
                          profiling=Profiling(args.profile) if args.profile is not None else None)
     return _report(args, trainer, history)
 
@@ -305,20 +312,44 @@ def _format_communication(c: dict) -> str:
 def _report(args, trainer, history) -> int:
     import jax
 
+    from jaxpar.train.summary import format_summary
+
     lead = jax.process_index() == 0
-    if not history.steps:       # resumed from a checkpoint of the last step: nothing to train, nothing to measure
-        done = history.resumed_from or 0
-        if lead:
-            print(json.dumps({"steps": 0, "resumed_from": done, "history": []}) if args.json else
-                  f"nothing to train: the checkpoint is at step {done} of --steps {args.steps}")
-        return 0
+    summary = _summary(args, trainer, history, lead)
+    if not lead:
+        return 0 if summary["collectives_match"] is not False else 1
+    if args.json:
+        c = summary["collectives"] or {}
+        summary["collectives"] = {k: (v.to_json() if hasattr(v, "to_json") else {str(n): b for n, b in v.items()}
+                                      if isinstance(v, dict) else v) for k, v in c.items()} if c else None
+        print(json.dumps(summary, indent=1, default=str))
+    elif not history.steps:     # resumed from a checkpoint of the last step: nothing to train, nothing to measure
+        print(f"nothing to train: the checkpoint is at step {history.resumed_from or 0} of --steps {args.steps}")
+    else:
+        if history.resumed_from is not None:
+            change = history.schedule_change
+            print(f"resumed from the checkpoint of step {history.resumed_from}" + (
+                f" (written by a {change['from']['steps']}-step run; the learning rate followed this run's "
+                f"{change['to']['steps']} steps, warm-up {change['to']['warmup']})" if change else ""))
+        print(format_summary(summary))
+        print(_format_extra(summary, trainer, args))
+    return 0 if summary["collectives_match"] is not False else 1
+
+
+def _summary(args, trainer, history, lead: bool) -> dict:
+    """`summary.summarize` and what the command line adds (MFU, the device, the rows this
+    process reads, the validation loss, the communication, the run's history and where it
+    resumed): the same keys on every run, None where nothing was measured."""
+    import jax
+
     from jaxpar.train import loop, throughput
-    from jaxpar.train.summary import format_summary, summarize
+    from jaxpar.train.summary import summarize
 
     summary = summarize(trainer, history, out=args.out if lead else None)
     device_kind = trainer.mesh.devices.flat[0].device_kind
-    summary["mfu"] = throughput.mfu(summary["tokens_per_second"], trainer.cfg, trainer.seq_len, trainer.mesh.size,
-                                    device_kind, trainer.compute_dtype or trainer.dtype)
+    summary["mfu"] = None if not history.steps else throughput.mfu(
+        summary["tokens_per_second"], trainer.cfg, trainer.seq_len, trainer.mesh.size, device_kind,
+        trainer.compute_dtype or trainer.dtype)
     summary["flops_per_token"] = throughput.flops_per_token(trainer.cfg, trainer.seq_len)
     summary["device_kind"] = device_kind
     summary["vocab"] = trainer.cfg.vocab
@@ -327,22 +358,11 @@ def _report(args, trainer, history) -> int:
     summary["batch_rows"] = [rows.start, rows.stop]        # the rows of each batch this process reads
     validation = history.validation()
     summary["val_step"], summary["val_loss"] = validation[-1] if validation else (None, None)
-    summary["communication"] = _communication(trainer, history, summary["collectives"])
-    if not lead:
-        return 0 if summary["collectives_match"] else 1
-    if args.json:
-        c = summary["collectives"]
-        summary["collectives"] = {k: (v.to_json() if hasattr(v, "to_json") else {str(n): b for n, b in v.items()}
-                                      if isinstance(v, dict) else v) for k, v in c.items()}
-        summary["resumed_from"] = history.resumed_from
-        summary["history"] = history.rows()
-        print(json.dumps(summary, indent=1, default=str))
-    else:
-        if history.resumed_from is not None:
-            print(f"resumed from the checkpoint of step {history.resumed_from}")
-        print(format_summary(summary))
-        print(_format_extra(summary, trainer, args))
-    return 0 if summary["collectives_match"] else 1
+    summary["communication"] = _communication(trainer, history, summary["collectives"]) if history.steps else None
+    summary["resumed_from"] = history.resumed_from
+    summary["schedule_change"] = history.schedule_change
+    summary["history"] = history.rows()
+    return summary
 
 
 def _format_extra(s: dict, trainer, args) -> str:

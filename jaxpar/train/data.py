@@ -46,6 +46,10 @@ class Corpus:
         weights = rng.dirichlet(np.full(self.branching, 0.5), size=self.vocab)
         return successors, weights
 
+    def fingerprint(self) -> dict:
+        """What a checkpoint records of the data, which a resumed run must match."""
+        return {"kind": "generated", "vocab": self.vocab, "branching": self.branching, "seed": self.seed}
+
     def entropy_rate(self) -> float:
         """Nats per token of the chain, under its stationary distribution."""
         succ, w = self.table

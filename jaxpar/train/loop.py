@@ -30,6 +30,7 @@ import functools
 import glob
 import json
 import os
+import sys
 import time
 
 import jax
@@ -41,7 +42,7 @@ from tqdm import tqdm
 from jaxpar import errors, reference
 from jaxpar.errors import ConfigError
 from jaxpar.train import throughput
-from jaxpar.train.checkpoint import Checkpoints
+from jaxpar.train.checkpoint import SCHEDULE, Checkpoints
 from jaxpar.train.data import Corpus
 from jaxpar.train.step import Trainer, TrainState
 
@@ -56,6 +57,9 @@ class History:
     # per step: the mean validation loss of the weights after that step's update, None where not measured
     val_losses: list = dataclasses.field(default_factory=list)
     resumed_from: int | None = None
+    # a resumed run whose schedule's length differs: {"from": {"steps", "warmup"} of the run
+    # that wrote the checkpoint, "to": this run's}
+    schedule_change: dict | None = None
     profile: dict | None = None       # {"directory", "steps", "file"} when steps were traced
 
     def row(self, k: int) -> dict:
@@ -278,11 +282,14 @@ class Profiling:
 
 
 def fit(trainer: Trainer, *, steps: int, corpus=None, state: TrainState | None = None,
-        checkpoints: Checkpoints | None = None, log: str | None = None, progress: bool = True,
-        validation: Validation | None = None, profiling: Profiling | None = None) -> tuple[TrainState, History]:
+        checkpoints: Checkpoints | None = None, resume: int | None = None, log: str | None = None,
+        progress: bool = True, validation: Validation | None = None,
+        profiling: Profiling | None = None) -> tuple[TrainState, History]:
     """Train to `steps` steps in all; resume from `checkpoints`' latest step when it has
-    one (and no `state` is given: else trainer.init()), save every `checkpoints.every`
-    steps and the last.
+    one, or from step `resume` (and no `state` is given: else trainer.init()), save every
+    `checkpoints.every` steps and the last. A step written by a run of another length
+    (trainer.optim's steps and warm-up) is resumed with this run's schedule: the run is
+    extended (said on the progress line's stream, and in `History.schedule_change`).
 
     corpus: the data (default: `Corpus(vocab=cfg.vocab)`). validation: when to measure
     the validation loss (None: never). profiling: a trace of a few steps (None: none).
@@ -294,7 +301,11 @@ def fit(trainer: Trainer, *, steps: int, corpus=None, state: TrainState | None =
     if validation is not None:
         validation.check_data(corpus)
     history = History()
-    state = _resume_or_init(trainer, state, checkpoints, history)
+    fingerprint = getattr(corpus, "fingerprint", None)
+    data = fingerprint() if fingerprint is not None else None
+    state = _resume_or_init(trainer, state, checkpoints, history, data=data, step=resume)
+    if history.schedule_change and progress and jax.process_index() == 0:
+        print(_schedule_line(history), file=sys.stderr, flush=True)
     start = int(jax.device_get(state.step))
     profiler = _Profile(profiling and profiling.directory, start + 1 if steps - start > 1 else start,
                         profiling.steps if profiling else 0)
@@ -314,12 +325,12 @@ def fit(trainer: Trainer, *, steps: int, corpus=None, state: TrainState | None =
                            validation_loss(trainer, state, corpus, validation.batches) if measured else None)
             report.step(history)
             if checkpoints is not None:
-                checkpoints.maybe_save(trainer, state)
+                checkpoints.maybe_save(trainer, state, loss=loss, data=data)
         profiler.stop()
         history.profile = profiler.record()
         if checkpoints is not None:
-            if steps > start:
-                checkpoints.save(trainer, state)        # the last step, whatever `every` is
+            if steps > start:                           # the last step, whatever `every` is
+                checkpoints.save(trainer, state, loss=history.losses[-1], data=data)
             checkpoints.wait()
     finally:
         profiler.stop()
@@ -358,10 +369,25 @@ class _Report:
 
 
 def _resume_or_init(trainer: Trainer, state: TrainState | None, checkpoints: Checkpoints | None,
-                    history: History) -> TrainState:
-    """`state` if given; else the checkpoints' latest step (noted in history.resumed_from);
-    else a fresh state."""
-    if state is None and checkpoints is not None and checkpoints.latest() is not None:
-        state = checkpoints.restore(trainer)
+                    history: History, *, data: dict | None, step: int | None) -> TrainState:
+    """`state` if given; else the checkpoints' step `step` (default: the latest; noted in
+    history.resumed_from, with the schedule it was written under where this run's
+    differs); else a fresh state."""
+    if step is not None and (checkpoints is None or state is not None):
+        raise ConfigError(f"resume={step}: resuming needs checkpoints and no state given")
+    if state is None and checkpoints is not None and (step is not None or checkpoints.latest() is not None):
+        state = checkpoints.restore(trainer, step, data=data)
         history.resumed_from = int(jax.device_get(state.step))
+        written = checkpoints.record(history.resumed_from)["config"]["optim"]
+        now = dataclasses.asdict(trainer.optim)
+        if any(written[k] != now[k] for k in SCHEDULE):
+            history.schedule_change = {"from": {k: written[k] for k in SCHEDULE}, "to": {k: now[k] for k in SCHEDULE}}
     return trainer.init() if state is None else state
+
+
+def _schedule_line(history: History) -> str:
+    """'resumed from step 60 of a 60-step run (warm-up 6): the learning rate now follows
+    80 steps (warm-up 8), cosine decay to step 80'."""
+    a, b = history.schedule_change["from"], history.schedule_change["to"]
+    return (f"resumed from step {history.resumed_from} of a {a['steps']}-step run (warm-up {a['warmup']}): the "
+            f"learning rate now follows {b['steps']} steps (warm-up {b['warmup']}), cosine decay to step {b['steps']}")

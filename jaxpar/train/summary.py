@@ -307,18 +307,24 @@ def plot(history, path: str) -> str:
 
 
 def summarize(trainer, history, *, out: str | None = None) -> dict:
-    compiled = trainer.compiled
-    c = collectives(trainer, compiled)
+    """The run's summary (the module docstring); with no step trained (a resumed run with
+    nothing left to train) the same keys, None where nothing was measured: the step is
+    not compiled for it."""
+    trained = bool(history.steps)
+    compiled = trainer.compiled if trained else None
+    c = collectives(trainer, compiled) if trained else None
     tokens = trainer.batch_size * trainer.seq_len
     compute = "" if trainer.compute_dtype is None else f" ({jnp.dtype(trainer.compute_dtype).name} compute)"
     s = {"spec": trainer.spec.describe() + compute, "mesh": dict(trainer.mesh.shape), "steps": len(history.steps),
-         "first_loss": history.losses[0] if history.losses else None,
-         "last_loss": history.losses[-1] if history.losses else None,
-         "tokens_per_second": history.tokens_per_second(tokens), "step_seconds": history.step_seconds(),
-         "compile_seconds": history.seconds[0] if history.seconds else None,
-         "memory_per_device": memory(compiled), "collectives": c, "collectives_match": matches(c),
-         "layers_per_stage": list(trainer.local.request.layers_per_stage) if trainer.spec.pp > 1 else None}
-    if out is not None and history.steps:
+         "first_loss": history.losses[0] if trained else None, "last_loss": history.losses[-1] if trained else None,
+         "tokens_per_second": history.tokens_per_second(tokens) if trained else None,
+         "step_seconds": history.step_seconds() if trained else None,
+         "compile_seconds": history.seconds[0] if trained else None,
+         "memory_per_device": memory(compiled) if trained else None, "collectives": c,
+         "collectives_match": matches(c) if trained else None,
+         "layers_per_stage": list(trainer.local.request.layers_per_stage) if trainer.spec.pp > 1 else None,
+         "loss_png": None}
+    if out is not None and trained:
         os.makedirs(out, exist_ok=True)
         s["loss_png"] = plot(history, os.path.join(out, "loss.png"))
     return s

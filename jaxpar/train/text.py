@@ -113,6 +113,12 @@ class TokenData:
         return (f"TokenData({self.path!r}: vocab {self.vocab}, {len(self.train):,} train and "
                 f"{len(self.validation):,} validation tokens, seed {self.seed})")
 
+    def fingerprint(self) -> dict:
+        """What a checkpoint records of the data, which a resumed run must match (not its
+        path: a directory may move)."""
+        return {"kind": "tokens", "vocab": self.vocab, "train_tokens": len(self.train),
+                "validation_tokens": len(self.validation), "seed": self.seed}
+
     def batch(self, step: int, *, batch_size: int, seq_len: int, rows: slice | None = None) -> np.ndarray:
         """int32[batch_size, seq_len + 1] (or only `rows` of it): windows of the train
         split at starts drawn from (seed, step), the same for the same (seed, step)."""

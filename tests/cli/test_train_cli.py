@@ -82,8 +82,9 @@ def test_a_bad_checkpoint_directory_exits_at_once_in_one_line(tmp_path):
                   "path of a directory\n"
     code, err = _jaxpar(*base, "--checkpoint", str(tmp_path / "c"))
     assert code == 2, (code, err)
-    last = err.splitlines()[-1]      # after orbax's own warning about the missing record
-    assert last.startswith(f"jaxpar train: error: checkpoint step 5 in {tmp_path / 'c'} is refused"), err
+    assert err.startswith(f"jaxpar train: error: checkpoint {tmp_path / 'c' / '5'} is refused: its record cannot "
+                          "be read") and err.endswith("; no other step can be resumed: use another checkpoint "
+                                                      "directory\n") and err.count("\n") == 1, err
 
 
 def test_ctrl_c_mid_run_is_one_line_and_closes_the_checkpoints_after_their_save(capsys, tmp_path, monkeypatch, python_ctrl_c):
@@ -91,8 +92,8 @@ def test_ctrl_c_mid_run_is_one_line_and_closes_the_checkpoints_after_their_save(
 
     maybe_save = Checkpoints.maybe_save
 
-    def then_ctrl_c(self, trainer, state):
-        started = maybe_save(self, trainer, state)
+    def then_ctrl_c(self, trainer, state, **record):
+        started = maybe_save(self, trainer, state, **record)
         if started:
             signal.raise_signal(signal.SIGINT)     # a real SIGINT, while orbax may still write the step
         return started
@@ -221,3 +222,43 @@ def test_bad_layer_splits_are_one_line(capsys, argv, piece):
     code, out, err = run(capsys, "train", "--steps", "2", *argv, *SMALL[:-1], "--layers", "4", "--batch", "4")
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("jaxpar train: error:") and piece in err, err
+
+
+def test_a_run_listed_refused_by_another_model_and_extended(capsys, tmp_path):
+    """`jaxpar checkpoint ls`; a run of another model refused in one line naming the flag;
+    the same run asked for more steps goes on from the saved one, on the schedule of its
+    new total; and with nothing left to train its JSON has every key the others have."""
+    d = str(tmp_path / "c")
+    steps = lambda n: [a if a != "3" else str(n) for a in ZERO1] + ["--checkpoint", d, "--every", "2"]
+    code, _, err = run(capsys, *steps(3))
+    assert code == 0, err
+    code, out, err = run(capsys, "checkpoint", "ls", d)
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert len(lines) == 2 and all(line.endswith("3 steps, warm-up 1  intact") for line in lines), out
+    assert lines[0].startswith("step      2  L2 D16 N4/2 V32 swiglu  dp4 x tp2 sp zero1  float32  loss ")
+    code, out, _ = run(capsys, "checkpoint", "ls", d, "--json")
+    assert [s["step"] for s in json.loads(out)] == [2, 3] and all(s["intact"] for s in json.loads(out))
+    code, out, err = run(capsys, *steps(5), "--layers", "4")
+    assert code == 2 and out == ""
+    assert err == (f"jaxpar train: error: checkpoint {d}/3 was written with --layers 2, this run has --layers 4: "
+                   "use --layers 2, or another checkpoint directory\n")
+    code, out, err = run(capsys, *steps(5), "--json")
+    assert code == 0, err
+    extended = json.loads(out)
+    assert extended["resumed_from"] == 3 and [r["step"] for r in extended["history"]] == [3, 4]
+    assert extended["schedule_change"] == {"from": {"steps": 3, "warmup": 1}, "to": {"steps": 5, "warmup": 1}}
+    code, out, err = run(capsys, *steps(5), "--json")
+    assert code == 0, err
+    done = json.loads(out)
+    assert set(done) == set(extended) and done["steps"] == 0 and done["last_loss"] is None
+    assert done["resumed_from"] == 5 and done["history"] == [] and done["vocab"] == 32
+
+
+def test_checkpoint_ls_refuses_what_is_not_a_directory_in_one_line(capsys, tmp_path):
+    code, out, err = run(capsys, "checkpoint", "ls", str(tmp_path / "missing"))
+    assert code == 2 and out == ""
+    assert err == f"jaxpar checkpoint: error: DIR '{tmp_path / 'missing'}' is not there: give the path of an " \
+                  "existing directory\n"
+    code, out, _ = run(capsys, "checkpoint", "ls", str(tmp_path))
+    assert code == 0 and out == f"no checkpoint in {tmp_path}\n"

@@ -1,6 +1,9 @@
-"""Checkpoints: SIGKILL mid-save and resume, restore on other meshes, damaged steps refused,
-the last step saved, paths refused before anything runs."""
+"""Checkpoints: SIGKILL mid-save and resume, restore on other meshes, a run extended with
+more steps, refusals naming what differs and the steps that can be resumed instead,
+the last step saved, a directory listed without writing, paths refused before anything
+runs."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -16,6 +19,7 @@ import pytest
 from jaxpar.errors import ConfigError
 from jaxpar.train import checkpoint, verify
 from jaxpar.train.checkpoint import CheckpointError, Checkpoints
+from jaxpar.train.data import Corpus
 from jaxpar.train.loop import fit
 from jaxpar.train.spec import ParallelSpec
 from jaxpar.train.step import Trainer
@@ -100,26 +104,96 @@ def _damage(directory: Path, step: int, how: str) -> None:
         target.unlink()
 
 
+ONE = ParallelSpec()
+
+
+def _one_device(optim=verify.OPTIM, cfg=CFG) -> Trainer:
+    return Trainer(cfg, ONE, optim, batch_size=BATCH, seq_len=16, devices=jax.devices()[:1])
+
+
 @pytest.mark.parametrize("how", ["flip", "delete"])
-def test_a_damaged_checkpoint_is_refused_and_the_previous_kept(tmp_path, how):
-    spec = ParallelSpec()
-    trainer = Trainer(CFG, spec, verify.OPTIM, batch_size=BATCH, seq_len=16, devices=jax.devices()[:1])
-    ckpt = Checkpoints(tmp_path, every=2)
-    fit(trainer, steps=4, checkpoints=ckpt, progress=False)
+def test_a_damaged_checkpoint_is_refused_naming_the_step_to_resume_instead(tmp_path, how):
+    trainer = _one_device()
+    fit(trainer, steps=4, checkpoints=Checkpoints(tmp_path, every=2), progress=False)
     _damage(tmp_path, 4, how)
-    with pytest.raises(CheckpointError, match=r"step 4 .* refused.*\[2\]"):
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {tmp_path}/4 is refused: .*; resume=2 resumes from the "
+                                              r"latest step that can be \(\[2\]\)$"):
         Checkpoints(tmp_path, every=2).restore(trainer)
     with pytest.raises(CheckpointError, match="refused"):      # fit resumes from the latest: refused too
         fit(trainer, steps=6, checkpoints=Checkpoints(tmp_path, every=2), progress=False)
-    assert Checkpoints(tmp_path).steps() == [2, 4]
-    assert int(Checkpoints(tmp_path).restore(trainer, step=2).step) == 2
+    assert Checkpoints(tmp_path).steps() == [2, 4]               # nothing deleted, nothing overwritten
+    _, history = fit(trainer, steps=3, checkpoints=Checkpoints(tmp_path, every=2), resume=2, progress=False)
+    assert history.resumed_from == 2 and history.steps == [2]
 
 
-def test_a_checkpoint_of_another_model_is_refused(saved):
+def test_a_damaged_checkpoint_with_no_step_to_resume_says_so(tmp_path):
+    trainer = _one_device()
+    fit(trainer, steps=4, checkpoints=Checkpoints(tmp_path, every=2), progress=False)
+    for step in (2, 4):
+        _damage(tmp_path, step, "flip")
+    with pytest.raises(CheckpointError, match=r"is refused: .*; no other step can be resumed: use another "
+                                              r"checkpoint directory$"):
+        Checkpoints(tmp_path).restore(trainer)
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_what_differs(saved):
     directory, _ = saved
-    other = Trainer(verify.MOE, ParallelSpec(), verify.OPTIM, batch_size=BATCH, seq_len=16, devices=jax.devices()[:1])
-    with pytest.raises(CheckpointError, match="another model"):
+    other = Trainer(dataclasses.replace(CFG, n_layers=2), SPEC, verify.OPTIM, batch_size=BATCH, seq_len=16)
+    with pytest.raises(CheckpointError) as refusal:
         Checkpoints(directory).restore(other)
+    assert str(refusal.value) == (f"checkpoint {directory}/8 was written with n_layers=4, this run has n_layers=2: "
+                                  "use n_layers=4, or another checkpoint directory")
+    moe = Trainer(verify.MOE, SPEC, dataclasses.replace(verify.OPTIM, lr=0.1), batch_size=BATCH, seq_len=16)
+    with pytest.raises(CheckpointError, match=r"was written with n_experts=0, lr=0\.01, this run has n_experts=4, "
+                                              r"lr=0\.1: use n_experts=0, lr=0\.01, or another"):
+        Checkpoints(directory).restore(moe)
+
+
+def test_a_checkpoint_of_other_data_is_refused(tmp_path):
+    trainer = _one_device()
+    fit(trainer, steps=2, corpus=Corpus(vocab=CFG.vocab, seed=0), checkpoints=Checkpoints(tmp_path, every=2),
+        progress=False)
+    with pytest.raises(CheckpointError, match=r"written with data\.seed=0, this run has data\.seed=1: use the data "
+                                              "it was trained on, or another checkpoint directory"):
+        fit(trainer, steps=4, corpus=Corpus(vocab=CFG.vocab, seed=1), checkpoints=Checkpoints(tmp_path),
+            progress=False)
+
+
+def test_a_longer_run_extends_the_checkpointed_one_on_its_own_schedule(tmp_path):
+    """Resumed with more steps, a run goes on from the saved step with the schedule of its
+    new total: the warm-up past, the cosine decay stretched to the new last step; the
+    checkpoints it writes record that schedule."""
+    short, longer = (dataclasses.replace(verify.OPTIM, steps=n, warmup=n // 2) for n in (4, 6))
+    fit(_one_device(short), steps=4, checkpoints=Checkpoints(tmp_path, every=2), progress=False)
+    ckpt = Checkpoints(tmp_path, every=2)
+    _, history = fit(_one_device(longer), steps=6, checkpoints=ckpt, progress=False)
+    assert history.resumed_from == 4 and history.steps == [4, 5]
+    assert history.schedule_change == {"from": {"steps": 4, "warmup": 2}, "to": {"steps": 6, "warmup": 3}}
+    rate = longer.schedule()
+    np.testing.assert_allclose(history.lrs, [float(rate(4)), float(rate(5))], rtol=1e-6)
+    assert float(short.schedule()(4)) < history.lrs[0]          # the short run's decay had ended at step 4
+    assert ckpt.record(6)["config"]["optim"]["steps"] == 6 and ckpt.record(4)["config"]["optim"]["steps"] == 4
+
+
+def test_listing_describes_every_step_without_writing(tmp_path):
+    trainer = _one_device()
+    _, history = fit(trainer, steps=4, checkpoints=Checkpoints(tmp_path / "c", every=2), progress=False)
+    _damage(tmp_path / "c", 4, "flip")
+    (tmp_path / "c" / "7").mkdir()                        # a step another tool left: no record
+    before = sorted(str(p) for p in (tmp_path / "c").rglob("*"))
+    steps = checkpoint.listing(tmp_path / "c")
+    assert [s["step"] for s in steps] == [2, 4, 7]
+    first = steps[0]
+    assert first == {"step": 2, "model": "L4 D16 N4/2 V32 swiglu", "mesh": "1 device", "dtype": "float32",
+                     "loss": history.losses[1], "schedule": {"steps": 20, "warmup": 3}, "intact": True,
+                     "problem": None}
+    assert not steps[1]["intact"] and "checksum" in steps[1]["problem"]
+    assert not steps[2]["intact"] and steps[2]["model"] is None and "record" in steps[2]["problem"]
+    assert sorted(str(p) for p in (tmp_path / "c").rglob("*")) == before
+    assert checkpoint.listing(tmp_path) == []               # a directory of no steps
+    with pytest.raises(ConfigError, match="is not there: give the path of an existing directory"):
+        checkpoint.listing(tmp_path / "missing")
+    assert not (tmp_path / "missing").exists()
 
 
 def test_the_last_step_is_saved_whatever_every_is_and_the_log_holds_the_history_rows(tmp_path):

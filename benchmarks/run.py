@@ -4,7 +4,7 @@
 
 NAME is a module of this folder (`benchmarks/<NAME>.py` defining `run() -> list[dict]`);
 with no NAME every benchmark found runs, in alphabetical order, except those in
-ONLY_WHEN_NAMED (maxtext: MaxText against jaxpar). On CPU the run gets `--devices`
+ONLY_WHEN_NAMED (maxtext: MaxText against jaxpar; gpu and torch_peer: one GPU). On CPU the run gets `--devices`
 fake devices (default 8; XLA_FLAGS=--xla_force_host_platform_device_count wins); on a
 GPU/TPU machine the accelerators are used as they are.
 """
@@ -22,7 +22,8 @@ from pathlib import Path
 _NOT_BENCHMARKS = {"run"}
 # run only when named: maxtext starts MaxText and jaxpar in fresh processes, mesh by mesh
 # (tens of minutes on a CPU), and needs MaxText installed in its own venv
-ONLY_WHEN_NAMED = {"maxtext"}
+# gpu and torch_peer measure one GPU (and PyTorch beside jaxpar on it): on CPU they skip
+ONLY_WHEN_NAMED = {"maxtext", "gpu", "torch_peer"}
 
 
 def available() -> list[str]:

@@ -1,7 +1,8 @@
 """Eight fake CPU devices for the whole test session, set before JAX starts its backends.
 
 The tests run on the CPU backend even where an accelerator exists (they need 8 devices of
-one kind); the GPU checks are `jaxpar tour` and the benchmarks (benchmarks/all_backends.sh).
+one kind); the GPU checks are `jaxpar tour`, the benchmarks (benchmarks/gpu.py) and
+`JAXPAR_TEST_PLATFORM=gpu pytest tests/kernels tests/gpu`, which runs on the GPUs.
 """
 
 import os
@@ -40,9 +41,15 @@ import pytest  # noqa: E402
 
 from jaxpar import mesh  # noqa: E402
 
-jax.config.update("jax_platforms", "cpu")
-
-N_DEVICES = mesh.use_cpu_devices(8)  # XLA_FLAGS=--xla_force_host_platform_device_count wins
+# JAXPAR_TEST_PLATFORM=gpu runs the session on the machine's GPUs instead (the fused
+# kernels' tests, tests/kernels, and the multi-GPU tests, tests/gpu, need them); the rest
+# of the suite asks for 8 devices of one kind and runs on CPU.
+ON_GPU = os.environ.get("JAXPAR_TEST_PLATFORM") == "gpu"
+if ON_GPU:
+    N_DEVICES = len(jax.devices())
+else:
+    jax.config.update("jax_platforms", "cpu")
+    N_DEVICES = mesh.use_cpu_devices(8)  # XLA_FLAGS=--xla_force_host_platform_device_count wins
 
 
 @pytest.fixture

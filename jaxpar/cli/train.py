@@ -43,7 +43,8 @@ FLAGS = {"dp": "--mesh dp", "pp": "--mesh pp", "tp": "--mesh tp", "cp": "--mesh 
          "directory": "--checkpoint", "log": "--log", "router": "--router", "aux_loss": "--aux-loss",
          "bias_rate": "--bias-rate", "top_k": "--top-k", "eval_every": "--eval-every",
          "eval_batches": "--eval-batches", "coordinator": "--coordinator", "num_processes": "--processes",
-         "process_id": "--process-id", "profile": "--profile", "resume": "--resume", "clip": "--clip"}
+         "process_id": "--process-id", "profile": "--profile", "resume": "--resume", "clip": "--clip",
+         "attention_kernel": "--attention-kernel"}
 RECOMPUTE = {"all": True, "dots": "dots"}     # --recompute's values: ParallelSpec.recompute's
 HELP = "train the composed model on a dp x pp x tp x cp x ep mesh (lecture 7), with a summary"
 
@@ -70,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="float32, or bfloat16: the layers compute in bf16, float32 master weights and AdamW "
                              "state, loss and softmax statistics in float32")
     parser.add_argument("--attention", default="ring", help="ring or ulysses over cp")
+    parser.add_argument("--attention-kernel", default="auto",
+                        help="the attention at cp=1 and in Ulysses: auto (cuDNN's flash attention on a GPU with "
+                             "--dtype bfloat16, XLA elsewhere), xla, or cudnn (refused where it cannot run)")
     parser.add_argument("--layout", default="contiguous", help="contiguous or zigzag (ring over cp)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: fits the mesh)")
@@ -251,6 +255,8 @@ def main(args) -> int:
     compute = compute_dtype(args.dtype)
     from jaxpar import errors
 
+    errors.one_of("attention_kernel", args.attention_kernel, ("auto", "xla", "cudnn"))
+
     if args.checkpoint is not None:
         errors.writable_path("directory", args.checkpoint, directory=True)
     if args.resume is not None:
@@ -274,7 +280,7 @@ def main(args) -> int:
     with contextlib.ExitStack() as stack:    # the checkpoints' threads end here, whatever is raised
         ckpt = stack.enter_context(Checkpoints(args.checkpoint, every=args.every)) if args.checkpoint else None
         trainer = Trainer(cfg, spec, optim, batch_size=batch, seq_len=args.seq, devices=devices[:spec.devices],
-                          compute_dtype=compute)
+                          compute_dtype=compute, attention_kernel=args.attention_kernel)
         validation = Validation(every_eval, args.eval_batches) if every_eval is not None else None
         _, history = fit(trainer, steps=args.steps, corpus=data, checkpoints=ckpt, resume=args.resume,
                          log=args.log, progress=not (args.quiet or args.json), validation=validation,
@@ -352,6 +358,7 @@ def _summary(args, trainer, history, lead: bool) -> dict:
         trainer.compute_dtype or trainer.dtype)
     summary["flops_per_token"] = throughput.flops_per_token(trainer.cfg, trainer.seq_len)
     summary["device_kind"] = device_kind
+    summary["attention_kernel"] = trainer.kernel
     summary["vocab"] = trainer.cfg.vocab
     summary["processes"] = jax.process_count()
     rows = loop.local_rows(loop.token_sharding(trainer), (trainer.batch_size, trainer.seq_len + 1))
@@ -366,6 +373,7 @@ def _summary(args, trainer, history, lead: bool) -> dict:
 
 
 def _format_extra(s: dict, trainer, args) -> str:
+    from jaxpar.kernels.attention import describe
     from jaxpar.train import throughput
 
     peak = throughput.peak_flops(s["device_kind"], trainer.compute_dtype or trainer.dtype)
@@ -379,5 +387,6 @@ def _format_extra(s: dict, trainer, args) -> str:
     lines.append(f"  MFU {throughput.format_mfu(s['mfu'])} ({s['flops_per_token']:,} FLOPs/token, 6N + 12·L·H·Q·T; "
                  + (f"peak {peak:.3g} FLOP/s per {s['device_kind']})" if peak else
                     f"no peak FLOP/s known for {s['device_kind']!r})"))
+    lines.append(f"  attention: {describe(s['attention_kernel'])}")
     lines.append(_format_communication(s["communication"]))
     return "\n".join(lines)

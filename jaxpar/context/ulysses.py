@@ -39,6 +39,7 @@ from jaxpar.context.blockwise import check_qkv
 from jaxpar.context.formulas import kv_heads_sent
 from jaxpar.context.ring import CHUNK, attend_ring, check_options, check_shard_tokens, specs
 from jaxpar.errors import ConfigError
+from jaxpar.kernels.attention import IMPLEMENTATIONS, attention, choose
 from jaxpar.mesh import CP, UCP
 
 
@@ -53,7 +54,8 @@ def _to_sequence(x, axis):
 
 
 def hybrid_attention_shard(q, k, v, *, ulysses_axis=UCP, ring_axis=CP, causal: bool = True,
-                           layout: str = "contiguous", relayout: bool = False, chunk: int = CHUNK):
+                           layout: str = "contiguous", relayout: bool = False, chunk: int = CHUNK,
+                           kernel: str = "xla"):
     """Attention of this shard's tokens, inside shard_map over both context axes.
 
     q [B, Tc, N, H], k and v [B, Tc, K, H], Tc = T/(cp*u): this device's tokens, the
@@ -64,19 +66,33 @@ def hybrid_attention_shard(q, k, v, *, ulysses_axis=UCP, ring_axis=CP, causal: b
     Ulysses alone (ring_axis=None) under `layout` "zigzag": the u devices hold the
     sequence in zigzag order (zigzag.to_layout over u), so the gathered sequence is in
     that order too; it is put back in natural order, a local gather, before the causal
-    mask and in layout order again after. Checked here (ConfigError); `attend_hybrid` is
-    the same without the checks.
+    mask and in layout order again after. kernel: how a device attends to a whole
+    sequence (ring_axis=None): "xla", blockwise `chunk` keys at a time (ring.py's, cp = 1),
+    or a fused kernel, "cudnn" or "auto" (kernels.attention.choose); the ring's blocks are
+    always blockwise. Checked here (ConfigError); `attend_hybrid` is the same without the
+    checks.
     """
     chunk = check_options(causal=causal, layout=layout, chunk=chunk, relayout=relayout)
+    errors.one_of("kernel", kernel, IMPLEMENTATIONS)
     _, tokens, _, _, _ = check_qkv(q, k, v, needed_by="hybrid_attention_shard")
     u = 1 if ulysses_axis is None else jax.lax.axis_size(ulysses_axis)
     if ring_axis is not None:
         check_shard_tokens(tokens * u, layout)       # the ring's tokens: this device's from each of the u
     return attend_hybrid(q, k, v, ulysses_axis=ulysses_axis, ring_axis=ring_axis, causal=causal, layout=layout,
-                         relayout=relayout, chunk=chunk)
+                         relayout=relayout, chunk=chunk, kernel=kernel)
 
 
-def attend_hybrid(q, k, v, *, ulysses_axis, ring_axis, causal: bool, layout: str, relayout: bool, chunk: int):
+def _whole(q, k, v, *, causal: bool, chunk: int, kernel: str):
+    """One device's attention over the whole sequence [B, T, h, H]: blockwise in XLA
+    (ring attention over no axis) or through the fused kernel."""
+    if kernel != "xla" and choose(kernel, dtype=q.dtype, head_dim=int(q.shape[-1])) == "cudnn":
+        return attention(q, k, v, causal=causal, implementation="cudnn")
+    return attend_ring(q, k, v, axis=None, causal=causal, layout="contiguous", relayout=False, chunk=chunk,
+                       custom_backward=True, hop="ppermute")
+
+
+def attend_hybrid(q, k, v, *, ulysses_axis, ring_axis, causal: bool, layout: str, relayout: bool, chunk: int,
+                  kernel: str = "xla"):
     """hybrid_attention_shard on inputs its entry points have checked (ring.check_options,
     blockwise.check_qkv, the sequence's cut), per shard: q [B, Tc, N, H], k and v
     [B, Tc, K, H] -> [B, Tc, N, H]."""
@@ -90,28 +106,36 @@ def attend_hybrid(q, k, v, *, ulysses_axis, ring_axis, causal: bool, layout: str
     natural = ring_axis is None and u > 1 and causal and layout != "contiguous" and not relayout
     if natural:      # [B, T, h/u, H] in layout order -> natural order, where the causal mask holds
         q, k, v = (zigzag.from_layout(a, u, layout, axis=1) for a in (q, k, v))
-    o = attend_ring(q, k, v, axis=ring_axis, causal=causal, layout="contiguous" if ring_axis is None else layout,
-                    relayout=relayout, chunk=chunk, custom_backward=True, hop="ppermute")
+    if ring_axis is None:
+        o = _whole(q, k, v, causal=causal, chunk=chunk, kernel=kernel)
+    else:
+        o = attend_ring(q, k, v, axis=ring_axis, causal=causal, layout=layout, relayout=relayout, chunk=chunk,
+                        custom_backward=True, hop="ppermute")
     if natural:
         o = zigzag.to_layout(o, u, layout, axis=1)
     return _to_sequence(o, ulysses_axis) if u > 1 else o
 
 
-def ulysses_attention_shard(q, k, v, *, axis=CP, causal: bool = True, layout: str = "contiguous"):
+def ulysses_attention_shard(q, k, v, *, axis=CP, causal: bool = True, layout: str = "contiguous",
+                            kernel: str = "xla"):
     """Ulysses alone over `axis`, inside shard_map: q [B, T/u, N, H], k and v [B, T/u, K, H],
-    this device's tokens of a sequence in `layout` order (zigzag.to_layout over u)."""
-    return hybrid_attention_shard(q, k, v, ulysses_axis=axis, ring_axis=None, causal=causal, layout=layout)
+    this device's tokens of a sequence in `layout` order (zigzag.to_layout over u).
+    kernel: the whole-sequence attention (hybrid_attention_shard)."""
+    return hybrid_attention_shard(q, k, v, ulysses_axis=axis, ring_axis=None, causal=causal, layout=layout,
+                                  kernel=kernel)
 
 
 def hybrid_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "contiguous", ring_axis: str | None = CP,
-                     ulysses_axis: str | None = UCP, permute: bool = True, chunk: int = CHUNK):
+                     ulysses_axis: str | None = UCP, permute: bool = True, chunk: int = CHUNK, kernel: str = "xla"):
     """2-D context parallelism on global arrays q [B, T, N, H], k and v [B, T, K, H]:
     Ulysses over `ulysses_axis` inside, ring attention over `ring_axis` outside; equal
     to reference.attention(q, k, v, causal=causal). Batch over dp and heads over tp
     where the mesh has them. permute as in ring_attention (natural order in and out);
     permute=False takes and returns the sequence in `layout` order over the ring's cp,
-    or over the Ulysses devices when ring_axis is None (zigzag.to_layout)."""
+    or over the Ulysses devices when ring_axis is None (zigzag.to_layout). kernel: as
+    in hybrid_attention_shard; "cudnn" is refused (ConfigError) where it cannot run."""
     errors.flag("permute", permute)
+    errors.one_of("kernel", kernel, IMPLEMENTATIONS)
     chunk = check_options(causal=causal, layout=layout, chunk=chunk)
     B, T, N, K, H = check_qkv(q, k, v, needed_by="hybrid_attention")
     axes = tuple(a for a in (ring_axis, ulysses_axis) if a is not None)
@@ -125,15 +149,18 @@ def hybrid_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "conti
         kv_heads_sent(N // tp, K // tp, u, axis=ulysses_axis)
     mesh_lib.require_divisible("seq_len", T, mesh, axes, why="each device holds seq_len/(cp*u) tokens")
     zigzag.check_sequence(T, cp if ring_axis else u, layout)
+    if ring_axis is None:       # before compiling: the kernel asked for can run these inputs
+        choose(kernel, dtype=q.dtype, head_dim=H, platform=mesh.devices.flat[0].platform)
     shard = functools.partial(attend_hybrid, ulysses_axis=ulysses_axis if u > 1 else None, ring_axis=ring_axis,
-                              causal=causal, layout=layout, relayout=permute, chunk=chunk)
+                              causal=causal, layout=layout, relayout=permute, chunk=chunk, kernel=kernel)
     return jax.shard_map(shard, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
 
 
 def ulysses_attention(q, k, v, *, mesh, causal: bool = True, axis: str = CP, layout: str = "contiguous",
-                      chunk: int = CHUNK):
+                      chunk: int = CHUNK, kernel: str = "xla"):
     """Ulysses on global arrays over `axis` (cp): equal to reference.attention. layout:
     the order of the sequence in and out (zigzag: zigzag.to_layout over the cp devices,
-    as a composed model holds its tokens; the causal mask follows it)."""
+    as a composed model holds its tokens; the causal mask follows it). kernel: the
+    whole-sequence attention on each device (hybrid_attention_shard)."""
     return hybrid_attention(q, k, v, mesh=mesh, causal=causal, ring_axis=None, ulysses_axis=axis, layout=layout,
-                            permute=False, chunk=chunk)
+                            permute=False, chunk=chunk, kernel=kernel)

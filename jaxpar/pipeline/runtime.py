@@ -40,10 +40,12 @@ forward-only scanned pipeline differentiated by autodiff, whose memory grows wit
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.data.reduce import reduce_gradients
@@ -78,13 +80,47 @@ class Pipeline(NamedTuple):
     layers_per_stage: tuple[int, ...] | None = None
 
 
+# JAX's GPU performance guide's options for these programs (each kept only where this
+# XLA knows it, and not where XLA_FLAGS names it: the user's flag wins)
+GPU_OPTIONS = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,      # collectives overlap the compute they do not feed
+    "xla_gpu_enable_pipelined_all_gather": True,          # ZeRO-3: the next layer's gather during this one
+    "xla_gpu_enable_pipelined_reduce_scatter": True,      # ... and the last layer's reduce-scatter after it
+    "xla_gpu_enable_pipelined_all_reduce": True,
+    "xla_gpu_experimental_pipeline_parallelism_opt_level": "PIPELINE_PARALLELISM_OPT_LEVEL_ENABLE",  # pp sends
+}
+
+
+@functools.cache
+def _known_gpu_options(named: str) -> tuple[tuple[str, object], ...]:
+    """The GPU_OPTIONS this XLA accepts (one tiny compile each) and XLA_FLAGS (`named`)
+    does not set."""
+    kept = []
+    for name, value in GPU_OPTIONS.items():
+        if f"--{name}=" in named:
+            continue
+        try:
+            jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(jnp.zeros(())).compile()
+        except Exception:  # noqa: BLE001 - an option this XLA does not know (renamed, removed) is left out
+            continue
+        kept.append((name, value))
+    return tuple(kept)
+
+
 def compiler_options(mesh) -> dict:
     """XLA options for the step. On CPU, copy insertion by region analysis: without it,
     XLA:CPU copies every residual buffer twice per step of the loop (it cannot order the
     slot read before the slot write), doubling the residuals' memory; measured in
-    jaxpar.memory.verify. Other backends: XLA's defaults."""
+    jaxpar.memory.verify. On GPU, GPU_OPTIONS (JAX's GPU performance guide: the
+    latency-hiding scheduler, collectives pipelined across layers, the pipeline-parallel
+    sends), each where this XLA knows it and XLA_FLAGS does not set it. Others: XLA's
+    defaults."""
     platform = mesh.devices.flat[0].platform
-    return {"xla_cpu_copy_insertion_use_region_analysis": True} if platform == "cpu" else {}
+    if platform == "cpu":
+        return {"xla_cpu_copy_insertion_use_region_analysis": True}
+    if platform in ("gpu", "cuda", "rocm"):
+        return dict(_known_gpu_options(os.environ.get("XLA_FLAGS", "")))
+    return {}
 
 
 def staged(spec: P) -> P:

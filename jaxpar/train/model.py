@@ -37,6 +37,7 @@ from jaxpar.context.ring import KV_NAME, ring_attention_shard
 from jaxpar.context.ulysses import ulysses_attention_shard
 from jaxpar.data import zero
 from jaxpar.errors import ConfigError
+from jaxpar.kernels.attention import attention as attention_kernel
 from jaxpar.expert.dispatch import MoEOptions, ep_moe_shard
 from jaxpar.expert.router import route
 from jaxpar.mesh import CP, DP, EP, PP, TP
@@ -180,11 +181,15 @@ def _positions(seq_len: int, spec: ParallelSpec):
     return jax.lax.dynamic_index_in_dim(table, jax.lax.axis_index(CP), 0, keepdims=False)
 
 
-def _attend(cfg: reference.ModelConfig, spec: ParallelSpec):
+def _attend(cfg: reference.ModelConfig, spec: ParallelSpec, kernel: str):
+    """attend(q, k, v) of this shard's heads: the whole sequence at cp = 1 (through
+    `kernel`, kernels.attention), else ring or Ulysses attention over cp (Ulysses' whole
+    sequence per device through `kernel` too; the ring's blocks blockwise in XLA)."""
     if spec.cp == 1:
-        return lambda q, k, v: reference.attention(q, k, v, causal=cfg.causal)
+        return lambda q, k, v: attention_kernel(q, k, v, causal=cfg.causal, implementation=kernel)
     if spec.attention == "ulysses":
-        return lambda q, k, v: ulysses_attention_shard(q, k, v, axis=CP, causal=cfg.causal, layout=spec.layout)
+        return lambda q, k, v: ulysses_attention_shard(q, k, v, axis=CP, causal=cfg.causal, layout=spec.layout,
+                                                       kernel=kernel)
     hop = "all_to_all" if spec.pp > 1 else "ppermute"     # inside a stage: collectives.ring_shift
     return lambda q, k, v: ring_attention_shard(q, k, v, axis=CP, causal=cfg.causal, layout=spec.layout, hop=hop)
 
@@ -206,11 +211,12 @@ def _moe(p, z, *, cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int, 
     return reduce_scatter_to_sp(y, TP, 1) if sp else reduce_from_tp(y, TP)
 
 
-def _block(p, x, *, cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int, batch_size: int | None):
+def _block(p, x, *, cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int, batch_size: int | None,
+           kernel: str):
     ffn = functools.partial(_moe, cfg=cfg, spec=spec, seq_len=seq_len, batch_size=batch_size) \
         if cfg.n_experts else None
     return block_shard(p, x, cfg=cfg, axis=TP, sequence_parallel=spec.sequence_parallel,
-                       positions=_positions(seq_len, spec), attend=_attend(cfg, spec), ffn=ffn)
+                       positions=_positions(seq_len, spec), attend=_attend(cfg, spec, kernel), ffn=ffn)
 
 
 def _embed(first: dict, tokens, *, sp: bool):
@@ -244,16 +250,18 @@ def keep_dots(prim, *_, **params) -> bool:
 
 
 @functools.cache
-def shard_fns(cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int, batch_size: int | None = None):
+def shard_fns(cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int, batch_size: int | None = None,
+              kernel: str = "xla"):
     """(stage_fn, first_fn, loss_fn) per shard, one object each per (cfg, spec, seq_len,
-    batch_size). batch_size (sequences per step, all devices): the balance loss's weight
-    per sequence is aux_loss / batch_size; needed when cfg.aux_loss > 0."""
+    batch_size, kernel). batch_size (sequences per step, all devices): the balance loss's
+    weight per sequence is aux_loss / batch_size; needed when cfg.aux_loss > 0. kernel:
+    the attention implementation that runs, "xla" or "cudnn" (kernels.attention.choose)."""
     if cfg.n_experts and cfg.aux_loss and batch_size is None:
         raise ConfigError(f"aux_loss={cfg.aux_loss}: the balance loss is a mean over the step's sequences; "
                           "give shard_fns(..., batch_size=) (sequences per step)")
     # ZeRO-3: each function gathers its weights over dp on entry, and again in its backward
     dims = zero3_dims(cfg, spec)
-    block = functools.partial(_block, cfg=cfg, spec=spec, seq_len=seq_len, batch_size=batch_size)
+    block = functools.partial(_block, cfg=cfg, spec=spec, seq_len=seq_len, batch_size=batch_size, kernel=kernel)
     if spec.recompute == "dots":     # inside the ZeRO-3 gather: its backward gathers the weights again
         block = jax.checkpoint(block, policy=keep_dots)
     # one flat all-gather per function (per dtype and type), FSDP's flat parameter: a

@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import reference
 from jaxpar.errors import ConfigError
 from jaxpar.data import zero
+from jaxpar.kernels.attention import choose as choose_kernel
 from jaxpar.data.reduce import reduce_gradients
 from jaxpar.mesh import CP, DP, EP, PP, TP
 from jaxpar.pipeline import runtime
@@ -92,6 +93,9 @@ class Trainer:
     # mixed precision (MaxText's dtype / weight_dtype): the layers run in compute_dtype
     # (jnp.bfloat16), the state (master weights, AdamW) stays in dtype; None: compute in dtype
     compute_dtype: Any = None
+    # the attention at cp = 1 and in Ulysses: "auto" (cuDNN's flash attention where it
+    # applies: a GPU, 16-bit layers), "xla" or "cudnn"; `kernel` says which runs
+    attention_kernel: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.spec, ParallelSpec):
@@ -103,8 +107,11 @@ class Trainer:
         compute = _compute_dtype(self.compute_dtype, self.dtype)
         # the dtype the layers run in when it is not the state's (None: no cast at all)
         self.compute_dtype = None if compute == jnp.dtype(self.dtype) else compute
+        # "cudnn" or "xla": what the layers' attention runs (a refused "cudnn" says why)
+        self.kernel = choose_kernel(self.attention_kernel, dtype=compute, head_dim=self.cfg.head_dim,
+                                               platform=devices[0].platform)
         key = (self.cfg, self.spec, self.optim, self.batch_size, self.seq_len, tuple(devices),
-               jnp.dtype(self.dtype).name, compute.name)
+               jnp.dtype(self.dtype).name, compute.name, self.kernel)
         built = _BUILT.get(key)
         if built is not None:          # the same request: the same jitted and compiled step
             self.__dict__.update({k: v for k, v in built.__dict__.items() if k not in ("devices",)})
@@ -118,7 +125,7 @@ class Trainer:
         spec, cfg = self.spec, self.cfg
         self.mesh = spec.mesh(devices)
         self.schedule = spec.make_schedule()
-        stage_fn, first_fn, loss_fn = model_lib.shard_fns(cfg, spec, self.seq_len, self.batch_size)
+        stage_fn, first_fn, loss_fn = model_lib.shard_fns(cfg, spec, self.seq_len, self.batch_size, self.kernel)
         layer_pspecs, first_pspecs, last_pspecs = model_lib.stage_pspecs(cfg, spec)
         shapes = model_lib.split(jax.eval_shape(lambda: reference.init_params(jax.random.key(0), cfg, self.dtype)))
         ids = jax.ShapeDtypeStruct((self.batch_size, self.seq_len), jnp.int32)

@@ -1,0 +1,114 @@
+"""kernels.attention: the implementation chosen for each backend, dtype and head size,
+and its output and gradients against reference.attention.
+
+On CPU (make test) the entry point runs the XLA path and the choice is checked for every
+platform by name; on a GPU (JAXPAR_TEST_PLATFORM=gpu pytest tests/kernels) cuDNN's flash
+attention runs and is held to the bfloat16 rule against the float32 reference, and its
+compiled backward to the memory model's flash term (no T x T buffer)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpar import reference
+from jaxpar.errors import ConfigError
+from jaxpar.kernels import attention as kernel
+from jaxpar.memory import activations
+from jaxpar.testing import assert_close, precision_policy, tolerance
+
+GPU = jax.default_backend() == "gpu"
+needs_gpu = pytest.mark.skipif(not GPU, reason="cuDNN's flash attention needs an NVIDIA GPU; this run's backend "
+                                              f"is {jax.default_backend()} (JAXPAR_TEST_PLATFORM=gpu on a GPU)")
+
+
+@pytest.mark.parametrize("platform, dtype, head_dim, expected", [
+    ("cpu", jnp.bfloat16, 64, "xla"), ("gpu", jnp.bfloat16, 64, "cudnn"), ("gpu", jnp.float16, 128, "cudnn"),
+    ("gpu", jnp.float32, 64, "xla"), ("gpu", jnp.bfloat16, 12, "xla"), ("gpu", jnp.bfloat16, 264, "xla"),
+    ("tpu", jnp.bfloat16, 128, "xla")])
+def test_auto_takes_cudnn_only_where_it_applies(platform, dtype, head_dim, expected):
+    assert kernel.choose("auto", dtype=dtype, head_dim=head_dim, platform=platform) == expected
+    assert kernel.choose("xla", dtype=dtype, head_dim=head_dim, platform=platform) == "xla"
+
+
+@pytest.mark.parametrize("platform, dtype, head_dim, says", [
+    ("cpu", jnp.bfloat16, 64, "NVIDIA GPUs"), ("gpu", jnp.float32, 64, "bfloat16 or float16"),
+    ("gpu", jnp.bfloat16, 12, "multiple of 8")])
+def test_cudnn_where_it_cannot_run_is_refused_with_the_reason(platform, dtype, head_dim, says):
+    with pytest.raises(ConfigError, match=says):
+        kernel.choose("cudnn", dtype=dtype, head_dim=head_dim, platform=platform)
+
+
+def test_an_unknown_implementation_is_refused():
+    with pytest.raises(ConfigError, match="'auto', 'xla', 'cudnn'"):
+        kernel.choose("flash", dtype=jnp.bfloat16, head_dim=64, platform="gpu")
+
+
+def _qkv(key, *, B=2, T=128, N=8, K=2, H=64, dtype=jnp.float32):
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (B, T, N, H), jnp.float32)
+    k = jax.random.normal(kk, (B, T, K, H), jnp.float32)
+    v = jax.random.normal(kv, (B, T, K, H), jnp.float32)
+    do = jax.random.normal(kd, (B, T, N, H), jnp.float32)
+    return tuple(a.astype(dtype) for a in (q, k, v)), do
+
+
+def _out_and_grads(fn, q, k, v, do):
+    o, vjp = jax.vjp(fn, q, k, v)
+    return (o, *vjp(do.astype(o.dtype)))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_entry_point_equals_the_reference_on_this_backend(causal):
+    """float32 through the entry point ("auto": the XLA path on CPU and for float32 on a
+    GPU), against reference.attention under the precision policy: outputs and dq, dk, dv."""
+    (q, k, v), do = _qkv(jax.random.key(0))
+    with precision_policy():
+        got = _out_and_grads(functools.partial(kernel.attention, causal=causal), q, k, v, do)
+        want = _out_and_grads(functools.partial(reference.attention, causal=causal), q, k, v, do)
+    for g, w in zip(got, want):
+        assert_close(g, w)
+
+
+@needs_gpu
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("N, K, H", [(8, 2, 64), (4, 4, 128), (8, 1, 32)])
+def test_cudnn_equals_the_float32_reference_in_bfloat16(causal, N, K, H):
+    """cuDNN in bf16 against reference.attention in float32 on the same (bf16-rounded)
+    inputs: outputs and every input gradient within the bf16 rule, relative to each
+    tensor's scale."""
+    (q, k, v), do = _qkv(jax.random.key(N * H + causal), T=256, N=N, K=K, H=H, dtype=jnp.bfloat16)
+    got = _out_and_grads(functools.partial(kernel.attention, causal=causal, implementation="cudnn"), q, k, v, do)
+    up = [a.astype(jnp.float32) for a in (q, k, v)]
+    with precision_policy():
+        want = _out_and_grads(functools.partial(reference.attention, causal=causal), *up, do)
+    rtol, _ = tolerance(jnp.bfloat16)
+    for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
+        g = np.asarray(g, np.float32)
+        w = np.asarray(w)
+        rel = np.linalg.norm(g - w) / np.linalg.norm(w)
+        assert rel < rtol, f"{name}: |cudnn - reference| / |reference| = {rel:.2e} > {rtol}"
+
+
+@needs_gpu
+def test_cudnn_keeps_no_score_matrix():
+    """The compiled forward + backward of cuDNN's attention at T = 4096 needs far less
+    than one [B, N, T, T] bf16 score matrix (what the XLA path keeps), and its residuals
+    equal the memory model's flash term: q, k, v, the output and a float32 statistic per
+    query and head."""
+    B, T, N, K, H = 1, 4096, 8, 2, 64
+    (q, k, v), do = _qkv(jax.random.key(1), B=B, T=T, N=N, K=K, H=H, dtype=jnp.bfloat16)
+    fn = functools.partial(kernel.attention, causal=True, implementation="cudnn")
+    compiled = jax.jit(lambda q, k, v, do: _out_and_grads(fn, q, k, v, do)).lower(q, k, v, do).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    scores = B * N * T * T * 2
+    assert temp < scores / 8, f"temp {temp} bytes: a T x T buffer ({scores} bytes) is being held"
+    _, residuals = jax.vjp(fn, q, k, v)
+    kept = sum(a.nbytes for a in jax.tree.leaves(residuals) if hasattr(a, "nbytes"))
+    model = (q.nbytes + k.nbytes + v.nbytes + q.nbytes) + 4 * B * N * T      # q, k, v, o + lse
+    assert kept == model, f"cuDNN keeps {kept} bytes for its backward, the flash model {model}"
+    block = activations.Block(d_model=N * H, n_heads=N, n_kv_heads=K, flash=True)
+    terms = {t.name: t.bytes for t in activations.layer_terms(block, seq_len=T, batch_size=B)}
+    assert terms["softmax statistics (lse)"] == 4 * B * N * T

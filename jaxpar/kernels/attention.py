@@ -77,4 +77,8 @@ def attention(q, k, v, *, causal: bool = True, implementation: str = "auto"):
     impl = choose(implementation, dtype=q.dtype, head_dim=int(q.shape[-1]))
     if impl == "xla":
         return reference.attention(q, k, v, causal=causal)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    try:        # jax checks the shapes cuDNN takes as it traces: a refusal comes before compiling
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    except (NotImplementedError, ValueError, TypeError) as e:
+        raise ConfigError(f"cuDNN's flash attention does not take q {tuple(q.shape)}, k {tuple(k.shape)} "
+                          f"{jnp.dtype(q.dtype).name}: {str(e).splitlines()[0]}. Fix: attention_kernel='xla'") from e

@@ -112,3 +112,15 @@ def test_cudnn_keeps_no_score_matrix():
     block = activations.Block(d_model=N * H, n_heads=N, n_kv_heads=K, flash=True)
     terms = {t.name: t.bytes for t in activations.layer_terms(block, seq_len=T, batch_size=B)}
     assert terms["softmax statistics (lse)"] == 4 * B * N * T
+
+
+def test_a_shape_cudnn_refuses_as_it_traces_is_a_config_error(monkeypatch):
+    """jax checks what cuDNN takes while tracing (NotImplementedError: head dim, sequence
+    lengths): that reaches the user as one ConfigError naming the shapes and the fix."""
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("The head dim must be <= 256 and a multiple of 8, but got 12.")
+    monkeypatch.setattr(kernel, "choose", lambda *a, **k: "cudnn")
+    monkeypatch.setattr(jax.nn, "dot_product_attention", refuse)
+    (q, k, v), _ = _qkv(jax.random.key(0), T=16, H=12, dtype=jnp.bfloat16)
+    with pytest.raises(ConfigError, match=r"q \(2, 16, 8, 12\).*multiple of 8.*attention_kernel='xla'"):
+        kernel.attention(q, k, v, implementation="cudnn")

@@ -36,6 +36,12 @@ for _flag in FAST_COMPILE:
     if _name not in os.environ.get("XLA_FLAGS", "") and _xla_accepts(_flag):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
+# The precision policy (jaxpar.testing.precision_policy) for the whole session and the
+# processes it starts: float32 matmuls in float32, whose tolerances the tests hold results
+# to. CPUs compute them so already; a GPU would use TF32 (a 10-bit mantissa) unless told.
+# A precision the user set is kept.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
 

@@ -3,7 +3,8 @@
 CHECKS is the explicit registry: a name, and the verify function ("module:function") that
 proves that technique, returning a `testing.Result` or a list of them. It lists only
 what exists; a technique joins it when its verify.py does. The functions are imported
-when they run, so `jaxpar --help` and `jaxpar schedule` never start JAX.
+when they run, so `jaxpar --help` and `jaxpar schedule` never start JAX. A row that needs
+more devices than the machine has reads "skip" in the ok column, its note saying how many.
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ def load(name: str) -> Callable[[], Result | list[Result]]:
 
 
 def run_checks(names: Iterable[str] | None = None) -> list[Result]:
-    """Run the named checks (all by default) in order; a check that raises becomes a failed
-    Result, so one broken technique does not hide the others."""
-    from jaxpar.testing import Result
+    """Run the named checks (all by default) in order, each under the precision policy
+    (float32 matmuls in float32 on every backend: `testing.precision_policy`); a check
+    that raises becomes a failed Result, so one broken technique does not hide the others."""
+    from jaxpar.testing import Result, precision_policy
 
     names = list(CHECKS) if names is None else list(names)
     unknown = [n for n in names if n not in CHECKS]
@@ -58,14 +60,16 @@ def run_checks(names: Iterable[str] | None = None) -> list[Result]:
     for name in names:
         start = time.perf_counter()
         try:
-            out = load(name)()
+            with precision_policy():
+                out = load(name)()
         except Exception as e:  # noqa: BLE001 - reported as a failed row, with the error's first line
             out = Result(name=f"{name}: check raised", passed=False,
                          note=f"{type(e).__name__}: {e}".splitlines()[0][:200])
         out = [out] if isinstance(out, Result) else list(out)
-        elapsed = time.perf_counter() - start
-        # A check that does not time itself gets its share of the wall time of the whole call.
-        results.extend(r if r.seconds > 0 else dataclasses.replace(r, seconds=elapsed / len(out)) for r in out)
+        share = (time.perf_counter() - start) / max(1, sum(not r.skipped for r in out))
+        # A check that does not time itself gets its share of the wall time of the whole call;
+        # a skipped one ran nothing.
+        results.extend(r if r.seconds > 0 or r.skipped else dataclasses.replace(r, seconds=share) for r in out)
     return results
 
 
@@ -89,10 +93,15 @@ def collectives_cell(r: Result) -> str:
 HEADERS = ("technique", "mesh", "max error", "collectives", "time", "ok", "note")
 
 
+def verdict(r: Result) -> str:
+    """The 'ok' cell: 'skip' (too few devices: the note says how many), 'yes' or 'NO'."""
+    return "skip" if r.skipped else "yes" if r.passed else "NO"
+
+
 def format_table(results: Sequence[Result]) -> str:
     """One aligned row per Result; 'max error' is the largest of its errors (each named in --json)."""
-    body = [[r.name, r.mesh, f"{r.max_error:.1e}" if r.errors else "-", collectives_cell(r), f"{r.seconds:.1f}s",
-             "yes" if r.passed else "NO", r.note] for r in results]
+    body = [[r.name, r.mesh, f"{r.max_error:.1e}" if r.errors else "-", collectives_cell(r),
+             "-" if r.skipped else f"{r.seconds:.1f}s", verdict(r), r.note] for r in results]
     widths = [max([len(h)] + [len(b[i]) for b in body]) for i, h in enumerate(HEADERS)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
     return "\n".join([line(HEADERS), line(["-" * w for w in widths])] + [line(b) for b in body])

@@ -23,7 +23,7 @@ from jaxpar import reference, testing
 from jaxpar.expert import formulas
 from jaxpar.expert.dispatch import MoEStats, ep_moe
 from jaxpar.mesh import DP, EP
-from jaxpar.testing import Result, Run, compiled_collectives, join_notes
+from jaxpar.testing import Result, Run, compiled_collectives, join_notes, skipped
 
 
 def moe_inputs(cfg: reference.ModelConfig, batch_size: int, seq_len: int, *, skew: float = 0.0,
@@ -190,7 +190,7 @@ def imbalance_experiment(*, skew: float = 2.0, seed: int = 0, capacity_factors=(
 def check_imbalance() -> Result:
     start = time.perf_counter()
     if len(jax.devices()) < 4:
-        return Result(name="MoE load imbalance (lecture 6.3)", passed=True, note="needs 4 devices: skipped")
+        return skipped("MoE load imbalance (lecture 6.3)", needs=4, have=len(jax.devices()), mesh="ep=4")
     rows = imbalance_experiment()
     dropless, tight = rows[0], rows[-2]
     ok = dropless["drop_rate"] == 0.0 and dropless["imbalance"] > 1.2 and tight["drop_rate"] > 0

@@ -37,7 +37,7 @@ from jaxpar.pipeline import schedule as schedule_lib
 from jaxpar.tensor.block import TPSpecs
 from jaxpar.tensor.layers import column_parallel, row_parallel
 from jaxpar.tensor.ops import copy_to_tp
-from jaxpar.testing import Result
+from jaxpar.testing import Result, skipped
 
 SAVED = {"none": ("QKV input (norm output)", "Q and K", "V", "softmax output", "output projection input",
                   "MLP norm input", "MLP input (norm output)", "up projection output", "GeLU output", "gate output",
@@ -133,11 +133,13 @@ CASES = [("no parallelism", 1, False, "none"), ("TP t=4", 4, False, "none"), ("T
 
 
 def check_memory(batch_size: int = 2, seq_len: int = 256, cases=CASES) -> list[Result]:
-    """The activation model within 10% of the compiled program for each case of `cases`."""
+    """The activation model within 10% of the compiled program for each case of `cases`
+    (skipped where tp is more devices than there are)."""
     n = len(jax.devices())
     out = []
     for name, tp, sp, rc in cases:
         if tp > n:
+            out.append(skipped(f"activation model: {name}", needs=tp, have=n, mesh=f"tp={tp}"))
             continue
         start = time.perf_counter()
         got = measured_layer(CFG, batch_size=batch_size, seq_len=seq_len, tp=tp, sp=sp, recompute=rc)
@@ -184,9 +186,10 @@ def check_pipeline_memory(p: int = 2, m: int = 8, microbatch_size: int = 2, seq_
     flight (a stage's activations and its waiting gradient); 1F1B and ZB-H2 at m then
     hold (temp - GPipe's at m) / that + m in flight: p and 2p - 1 (ZB-H2's buffer of each
     layer's output gradient, kept for W, subtracted first). Interleaved's and DualPipe-V's
-    residual slots are the plan's, in chunks: in_flight x v."""
+    residual slots are the plan's, in chunks: in_flight x v. One skipped row on fewer
+    than p devices."""
     if len(jax.devices()) < p:
-        return []
+        return [skipped("pipeline memory: microbatches in flight", needs=p, have=len(jax.devices()), mesh=f"pp={p}")]
     cfg = reference.ModelConfig(**{**vars(CFG), "n_layers": 2 * p})
     start = time.perf_counter()
     temp = lambda name, mm: named_schedule_temp(name, p, mm, cfg=cfg, microbatch_size=microbatch_size, seq_len=seq_len)

@@ -30,7 +30,7 @@ import optax
 from jaxpar import comms, reference
 from jaxpar import mesh as mesh_lib
 from jaxpar.pipeline import formulas, runtime, schedule
-from jaxpar.testing import Result, compare, tolerance
+from jaxpar.testing import Result, compare, skipped, tolerance
 from jaxpar.train import model as model_lib
 from jaxpar.train import stages, summary
 from jaxpar.train.data import Corpus
@@ -239,18 +239,22 @@ def parity(spec: ParallelSpec, cfg: reference.ModelConfig = DENSE, *, steps: int
                        f"-> {ref_losses[-1]:.3f}" + (", MoE" if cfg.n_experts else "") + "; collectives of pp rank 0")
 
 
-TOUR = ("dp2 pp2 tp2", "pp2 cp2 ep2")
+TOUR, TOUR_STEPS = ("dp2 pp2 tp2", "pp2 cp2 ep2"), 20
 
 
 def check_train(names=None) -> list[Result]:
-    """The tour's rows: 20 steps on each of `names` (default TOUR; on fewer than 8
-    devices, the meshes that fit)."""
+    """The tour's rows: TOUR_STEPS steps on each of `names` (default TOUR; a mesh of more devices
+    than there are is a skipped row)."""
     n = len(jax.devices())
     out = []
     for name in TOUR if names is None else names:
         spec, cfg, batch = MESHES[name]
-        if spec.devices <= n:
-            out.append(parity(spec, cfg, batch_size=batch))
+        if spec.devices > n:
+            mesh = " ".join(f"{a}={s}" for a, s in spec.sizes.items() if s > 1)
+            out.append(skipped(f"train {spec.describe()}, {TOUR_STEPS} steps", needs=spec.devices, have=n,
+                               mesh=mesh))
+        else:
+            out.append(parity(spec, cfg, steps=TOUR_STEPS, batch_size=batch))
     return out
 
 

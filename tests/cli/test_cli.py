@@ -49,10 +49,22 @@ def test_verify_comms_json(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 1
     assert set(rows[0]) == {"name", "mesh", "errors", "tolerance", "measured", "expected", "collectives_match",
-                            "passed", "seconds", "note"}
+                            "passed", "skipped", "seconds", "note"}
     assert rows[0]["passed"] is True and rows[0]["mesh"] == "dp=8" and rows[0]["collectives_match"] is True
     assert rows[0]["measured"]["program"]["collective-permute"] == {"count": 5, "bytes": 5 * 8 * 16 * 4}
     assert rows[0]["measured"] == rows[0]["expected"]
+
+
+def test_verify_on_one_device_skips_what_needs_more():
+    # its own process: the session's JAX has 8 devices; the pipeline half of ZeRO-3 vs PP needs 2
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env = os.environ | {"XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "jaxpar", "verify", "dp", "--devices", "1", "--json"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(proc.stdout)
+    assert all(r["passed"] for r in rows) and rows[-1]["mesh"] == "dp=1"
+    assert "pipeline half skipped: needs 2 devices, this machine has 1" in rows[-1]["note"]
 
 
 @pytest.mark.slow

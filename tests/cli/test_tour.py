@@ -4,12 +4,13 @@ import json
 import sys
 import textwrap
 
+import jax
 import pytest
 
 from jaxpar.cli import tour
 from jaxpar.comms import Collectives
 from jaxpar.errors import ConfigError
-from jaxpar.testing import Result
+from jaxpar.testing import Result, skipped
 
 AR = Collectives({"all-reduce": (2, 65536)})
 
@@ -52,6 +53,12 @@ def test_format_table_says_when_collectives_differ_and_when_nothing_was_compared
     assert row.split()[1:4] == ["-", "-", "-"]
 
 
+def test_format_table_says_skip_for_a_row_the_machine_has_too_few_devices_for():
+    row = tour.format_table([skipped("MoE load imbalance", needs=4, have=2, mesh="ep=4")]).splitlines()[2]
+    assert row.split()[3:9] == ["ep=4", "-", "-", "-", "skip", "skipped:"]
+    assert row.endswith("skipped: needs 4 devices, this machine has 2")
+
+
 def test_format_table_of_no_results_is_the_header():
     lines = tour.format_table([]).splitlines()
     assert lines[0].split() == ["technique", "mesh", "max", "error", "collectives", "time", "ok", "note"]
@@ -79,15 +86,17 @@ def test_registry_lists_exactly_what_exists():
 @pytest.fixture
 def fake_checks(monkeypatch, tmp_path):
     (tmp_path / "jaxpar_fake_checks.py").write_text(textwrap.dedent("""
-        from jaxpar.testing import Result
+        import jax
+        from jaxpar.testing import Result, skipped
         calls = []
         def one():
             calls.append("one")
-            return Result(name="one", passed=True)
+            return Result(name="one", passed=True, note=str(jax.config.jax_default_matmul_precision))
         def two():
             calls.append("two")
             return [Result(name="two-a", passed=True),
-                    Result(name="two-b", errors={"e": 1.0}, seconds=7.0, passed=False)]
+                    Result(name="two-b", errors={"e": 1.0}, seconds=7.0, passed=False),
+                    skipped("two-c", needs=16, have=8)]
         def broken():
             calls.append("broken")
             raise RuntimeError("boom\\nsecond line")
@@ -102,10 +111,18 @@ def fake_checks(monkeypatch, tmp_path):
 
 def test_run_checks_runs_all_in_order_and_times_untimed_results(fake_checks):
     results = tour.run_checks(["one", "two"])
-    assert [r.name for r in results] == ["one", "two-a", "two-b"]
+    assert [r.name for r in results] == ["one", "two-a", "two-b", "two-c"]
     assert fake_checks.calls == ["one", "two"]
     assert results[0].seconds > 0 and results[1].seconds > 0
     assert results[2].seconds == 7.0  # a check that timed itself keeps its time
+    assert results[3].seconds == 0.0  # a skipped one ran nothing
+
+
+def test_run_checks_runs_each_check_under_the_precision_policy(fake_checks):
+    with jax.default_matmul_precision("bfloat16"):
+        (one,) = tour.run_checks(["one"])
+        assert jax.config.jax_default_matmul_precision == "bfloat16"
+    assert one.note == "highest"
 
 
 def test_run_checks_unknown_name_lists_the_available_ones_before_running_anything(fake_checks):

@@ -74,6 +74,10 @@ EXPECTED = {
                             (re.compile(r"^  step +\d+: training loss \d\.\d+ .*, validation loss \d\.\d+$", re.M), 3),
                             "training and validation losses fell by more than 1 nat: ok",
                             "prompt 'The return value of', 40 tokens on: "],
+    "12_attention_kernel.py": ["gpu bfloat16 head_dim 128  auto -> cudnn", "gpu float32  head_dim 128  auto -> xla",
+                               "ConfigError: attention_kernel='cudnn' cannot run here: dtype float32",
+                               "dV: |xla - reference| / |reference| = 0.0e+00", "the flash model's statistics",
+                               "bfloat16 layers on cpu: xla attention (T x T scores)"]
 }
 
 

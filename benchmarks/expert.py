@@ -15,7 +15,10 @@ Rows (ep=4 on 4 fake CPU devices by default, top-2, capacity factor 1.25, positi
   memory  compiled fwd+bwd temp bytes per device at E=8, D=256, F=512 for 512 .. 4096
           tokens per device (compile only): the one-hot tensors hold E x C x t elements,
           1.25 k t^2 (C = 1.25 t k / E), quadratic in the tokens; jaxpar's buffers hold
-          E x C x D = 1.25 t k D, linear.
+          E x C x D = 1.25 t k D, linear;
+  grouped dropless on one device (ep=1), E=8, top-2, 4096 tokens, D=512, F=2048: the
+          grouped experts (expert/grouped.py, about 1.5 t*k rows) against the padded
+          [E, t, D] buffer (E*t rows), fwd+bwd, alternated as above, side by side.
 """
 
 from __future__ import annotations
@@ -71,12 +74,15 @@ def _programs(cfg, m, tokens):
     peer = jax.shard_map(lambda p, x: peer_shard(p, x[0])[None], mesh=m, in_specs=(specs, P(mesh.EP)),
                          out_specs=P(mesh.EP))
 
-    def step(fn):
-        def run(p, x, dy):
-            y, vjp = jax.vjp(fn, p, x)
-            return y, vjp(dy)
-        return jax.jit(run)
-    return {"jaxpar all-to-all": step(ours), "GShard one-hot einsum": step(peer)}, (p, x, dy)
+    return {"jaxpar all-to-all": _step(ours), "GShard one-hot einsum": _step(peer)}, (p, x, dy)
+
+
+def _step(fn):
+    """jit of (y, the vjp of dy): forward and backward."""
+    def run(p, x, dy):
+        y, vjp = jax.vjp(fn, p, x)
+        return y, vjp(dy)
+    return jax.jit(run)
 
 
 def speed_rows(tokens: int = 4096) -> list[dict]:
@@ -108,7 +114,24 @@ def memory_rows(tokens=(512, 1024, 2048, 4096), E: int = 8) -> list[dict]:
     return rows
 
 
+def grouped_rows(tokens: int = 4096) -> list[dict]:
+    """Dropless on one device: the grouped path against the padded buffer (`MoEOptions.grouped`)."""
+    cfg = reference.ModelConfig(n_layers=1, d_model=512, d_ff=2048, n_experts=8, top_k=2)
+    m = mesh.make_mesh(ep=1, devices=jax.devices()[:1])
+    args = moe_inputs(cfg, 1, tokens, skew=0.5)
+    fns = {name: _step(lambda p, x, g=g: dispatch.ep_moe(p, x, mesh=m, cfg=cfg, grouped=g)[0])
+           for name, g in (("grouped", True), ("padded", False))}
+    diff = max_abs_diff(*(fn(*args) for fn in fns.values()))
+    times = alternated(fns, args, REPEATS)
+    padded = times["padded"]
+    return [{"row": "grouped", "E": 8, "tokens": tokens, "program": name,
+             "fwd+bwd s": round(statistics.median(ts), 3),
+             "this / padded": round(statistics.median(ts) / statistics.median(padded), 2),
+             "best ratio": round(min(ts) / min(padded), 2), "max diff between them": f"{diff:.1e}"}
+            for name, ts in times.items()]
+
+
 def run() -> list[dict]:
     if len(jax.devices()) < EP:
         return [{"row": "skipped", "reason": f"needs {EP} devices, {len(jax.devices())} present"}]
-    return speed_rows() + memory_rows()
+    return speed_rows() + memory_rows() + grouped_rows()

@@ -4,6 +4,8 @@
               Switch/GShard load-balancing loss (whole, or per sequence); expert load
     dispatch  ep_moe: pack per-expert buffers, all-to-all, local experts, all-to-all back;
               capacity and drops; MoEStats
+    grouped   dropless on one device (ep = 1): each expert's rows one run of whole blocks,
+              the experts as block-batched matmuls (about t*k rows, not the buffer's E*t)
     formulas  the collectives and bytes in closed form, exercise 7 (pure Python)
     verify    against reference.moe (`jaxpar verify ep`), the lecture's imbalance experiment
 
@@ -21,6 +23,7 @@ _EXPORTS = {
     "router": ("Routing", "balance_probs", "expert_load", "load_balancing_loss", "route", "sequence_balance_loss",
                "sequence_sums", "update_bias"),
     "dispatch": ("MoEOptions", "MoEStats", "ep_moe", "ep_moe_shard", "positions"),
+    "grouped": ("grouped_moe",),
     "formulas": ("balance_collectives", "balance_reduction", "capacity", "dispatch_bytes", "ep_moe_collectives",
                  "exercise_7"),
 }

@@ -24,8 +24,10 @@ Packing and combining are a scatter and a gather of D-wide rows, O(t*k*D), where
 one-hot GShard einsums cost O(t*E*C*D) and hold [t, E, C] tensors.
 The statistics are per device (`MoEStats`), not reduced: reducing them would add
 collectives to the program; they are summed on the host.
-XLA:CPU has no ragged_all_to_all (jax 0.10.2), so the dropless path uses the fixed
-worst-case buffers here and on every backend.
+XLA:CPU has no ragged_all_to_all (jax 0.10.2), so the dropless path across devices uses the
+fixed worst-case buffers here and on every backend. Dropless on one device (ep = 1), steps
+2-5 are grouped matmuls instead (grouped.py, `MoEOptions.grouped`): at most 1.5 t*k rows of
+expert work, not E*t.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from jaxpar import errors
 from jaxpar import mesh as mesh_lib
 from jaxpar import reference
 from jaxpar.expert.formulas import capacity
+from jaxpar.expert.grouped import grouped_moe
 from jaxpar.expert.router import check_route, check_top_k, expert_load, select_experts
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import DP, EP
@@ -96,6 +99,12 @@ class MoEOptions:
     """The router: "softmax", or "sigmoid" (DeepSeek-V3, which takes a bias)."""
     renormalize: bool = True
     """The top-k gates renormalised to sum to 1 (Mixtral), as the reference's default."""
+    grouped: bool | None = None
+    """The experts as grouped matmuls (grouped.py: each expert's assignments one run of
+    whole blocks, at most 1.5 t*k rows of work) instead of the [E, C, D]
+    buffer (E*C rows, E*t dropless). It needs dropless (capacity_factor None) and every
+    expert on this device (ep = 1). None: grouped exactly there (what the trainer asks
+    for); True: grouped, refused elsewhere; False: the buffer always."""
 
     @classmethod
     def of(cls, cfg: reference.ModelConfig, **overrides) -> MoEOptions:
@@ -130,6 +139,7 @@ def ep_moe_shard(p: dict, x, *, axis=EP, options: MoEOptions, bias=None, routing
                           f"Fix: ep in ({errors.divisors(E)}) or n_experts a multiple of {ep}")
     check_expert_weights(p, mlp=options.mlp, leading=E // ep,
                          why=f"each of the ep={ep} devices holds E/ep={E // ep} experts")
+    check_grouped(options, ep)
     return dispatch_and_combine(p, x, axis=axis, options=options, bias=bias, routing=routing)
 
 
@@ -142,16 +152,39 @@ def check_expert_weights(p: dict, *, mlp: str, leading: int, why: str) -> None:
             raise ConfigError(f"expert weight {name} is {got}: {why}, so it needs leading size {leading}")
 
 
+def runs_grouped(options: MoEOptions, ep: int) -> bool:
+    """Whether the layer runs grouped (`MoEOptions.grouped`): where asked, or (None) where
+    it applies, dropless with every expert local (ep = 1)."""
+    applies = options.capacity_factor is None and ep == 1
+    return applies if options.grouped is None else options.grouped
+
+
+def check_grouped(options: MoEOptions, ep: int) -> None:
+    """Refuse grouped=True where the grouped path does not apply."""
+    if options.grouped not in (None, True, False):
+        raise ConfigError(f"grouped={options.grouped!r}: give None (grouped where it applies), True or False")
+    if options.grouped and options.capacity_factor is not None:
+        raise ConfigError(f"grouped=True with capacity_factor={options.capacity_factor}: the grouped experts are "
+                          "dropless. Fix: capacity_factor=None, or grouped=None (the padded buffer with a capacity)")
+    if options.grouped and ep > 1:
+        raise ConfigError(f"grouped=True with ep={ep}: the grouped experts run where every expert is on the "
+                          "device (ep = 1); across devices the all-to-all buffers stay. Fix: grouped=None")
+
+
 def dispatch_and_combine(p: dict, x, *, axis, options: MoEOptions, bias, routing):
     """ep_moe_shard on inputs its entry points (ep_moe, ep_moe_shard) have checked: route
     (unless `routing` is given), pack each expert's tokens, all-to-all them to the
-    expert's device, run the experts, all-to-all back and combine. x [t, D] ->
-    (y [t, D], kept [E], dropped [E])."""
+    expert's device, run the experts, all-to-all back and combine; or, where
+    `runs_grouped`, the grouped experts of grouped.py. x [t, D] -> (y [t, D], kept [E],
+    dropped [E])."""
     t, D = x.shape
     r = select_experts(p["router"], x, top_k=options.top_k, scoring=options.scoring, renormalize=options.renormalize,
                        bias=bias) if routing is None else routing
     E = r.probs.shape[-1]
     ep = 1 if axis is None else jax.lax.axis_size(axis)
+    if runs_grouped(options, ep):
+        y, kept = grouped_moe(p, x, r.experts, r.weights, mlp=options.mlp)
+        return y, kept, jnp.zeros_like(kept)
     local = E // ep
     C = capacity(t, options.top_k, E, options.capacity_factor)
     buf, slot, keep = pack(x, r.experts, r.weights, n_experts=E, capacity=C, drop=options.drop)
@@ -253,10 +286,10 @@ def specs(mesh, params: dict) -> tuple[dict, P]:
 
 
 def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "position",
-           scoring: str = "softmax", bias=None):
+           scoring: str = "softmax", bias=None, grouped: bool | None = None):
     """The MoE layer on global arrays: x [B, T, D] -> (y [B, T, D], MoEStats). Tokens are
-    split over (dp, ep), expert weights over ep (EP shares the data-parallel devices).
-    Dropless (capacity_factor=None) it equals reference.moe(params, x, top_k=cfg.top_k)."""
+    split over (dp, ep), expert weights over ep (EP shares the data-parallel devices). Dropless
+    (capacity_factor=None) it equals reference.moe(params, x, top_k=cfg.top_k); grouped: `MoEOptions.grouped`."""
     mesh_lib.require_mesh(mesh, axes=(EP,), needed_by="ep_moe")
     if not isinstance(cfg, reference.ModelConfig):
         raise ConfigError(f"cfg is a {type(cfg).__name__}: give a reference.ModelConfig with n_experts and top_k")
@@ -286,7 +319,8 @@ def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "pos
     C = capacity(tokens, cfg.top_k, cfg.n_experts, capacity_factor)   # refuses a capacity_factor <= 0
     p = {name: params[name] for name in names}
     p_specs, x_spec = specs(mesh, p)
-    options = MoEOptions.of(cfg, capacity_factor=capacity_factor, drop=drop, scoring=scoring)
+    options = MoEOptions.of(cfg, capacity_factor=capacity_factor, drop=drop, scoring=scoring, grouped=grouped)
+    check_grouped(options, ep)
     shard = functools.partial(dispatch_and_combine, axis=EP if ep > 1 else None, options=options, routing=None)
 
     def run(p, x, bias):

@@ -41,6 +41,10 @@ def _call(params=None, x=None, cfg=None, mesh=None, **kw):
     (dict(cfg={"n_experts": 8}), "cfg is a dict: give a reference.ModelConfig"),
     (dict(scoring="relu"), "scoring='relu'"),
     (dict(scoring="sigmoid", bias=jnp.zeros(4)), r"bias has shape \(4,\).*\[8\]"),
+    (dict(grouped=True), "grouped=True with ep=4.*Fix: grouped=None"),
+    (dict(grouped=True, capacity_factor=1.25, mesh=mesh_lib.make_mesh(dp=8, ep=1)),
+     "grouped=True with capacity_factor=1.25: the grouped experts are dropless"),
+    (dict(grouped="yes"), "grouped='yes': give None"),
 ])
 def test_ep_moe_refuses(kw, words):
     with pytest.raises(ConfigError, match=words):

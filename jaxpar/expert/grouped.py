@@ -1,0 +1,97 @@
+"""The dropless MoE layer of one device as grouped matmuls (MegaBlocks' dropless MoE, in
+whole blocks): about t*k rows of expert work instead of the padded buffer's E*t.
+
+    grouped_moe(p, x, experts, weights, *, mlp)   x [t, D] -> (y [t, D], tokens per expert [E])
+
+The padded path (dispatch.py) gives each expert a buffer of C = t slots, the most it can
+be sent, and runs every expert on all of them: E*t rows, E/k times the t*k a routed
+token needs (4x for 8 experts top-2). Here expert e's n_e assignments (token, choice)
+get one run of rows, rounded up to whole blocks of b rows, the runs one after another
+(`layout`): at most t*k + E*(b-1) rows in all, a static bound. Each block belongs to
+one expert, so each matmul of the experts' MLP is one matmul batched over the blocks,
+[n_blocks, b, D] x [n_blocks, D, F], each block with its expert's matrix
+(`block_matmul`); the rows are then gathered back and mixed by the gates, as
+dispatch.unpack does. Nothing is dropped, no collective.
+
+b = t*k / (2E) (`block_rows`): at an even load each expert fills two blocks, and the
+bound is 1.5 t*k rows; smaller blocks waste fewer rows but copy each weight matrix once
+per block (on an H200 at t*k = 32768, E = 8, bf16, b = t*k/2E ran a layer's forward and
+backward in 8.3 ms, t*k/4E in 9.1, /8E in 11.0, /16E in 16.0; the padded buffer 11.3).
+
+Why not `jax.lax.ragged_dot`: it is the same contract (rows sorted by expert, group
+sizes), but it is lowered densely on CPU and, by default, on GPUs (jax 0.10.2 and
+0.11.2): every group masked over every row, E*t*k rows, k times the padded buffer's
+(22.8 ms for the layer above, the XLA flags xla_gpu_experimental_use_ragged_dot_fusion
+and _grouped_gemm changing nothing).
+
+Backward: the buffer is a scatter of x's rows to their slots (distinct), whose
+transpose is a gather (no atomics); the weight gathers' transposes add each block's
+weight gradient into its expert's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+BLOCKS_PER_EXPERT = 2
+"""Blocks an expert fills at an even load (t*k/E rows): b = t*k / (E * this)."""
+
+
+def block_rows(rows: int, n_experts: int) -> int:
+    """b: the even share rows/E over BLOCKS_PER_EXPERT, a multiple of 128 (a matmul tile)
+    when larger than 128."""
+    b = -(-rows // (n_experts * BLOCKS_PER_EXPERT))
+    return -(-b // 128) * 128 if b > 128 else b
+
+
+def layout(experts, n_experts: int, block: int):
+    """Where each assignment's row goes: (slot [t, k] in [0, n_blocks * block),
+    block_expert [n_blocks]: the expert of each block, sizes [E] int32: assignments per
+    expert). Expert e's rows are one run, in token order, rounded up to whole blocks;
+    blocks past the last run are empty (their expert is E-1, their rows zero)."""
+    t, k = experts.shape
+    E = n_experts
+    one_hot = jax.nn.one_hot(experts.reshape(-1), E, dtype=jnp.int32)               # [t*k, E]
+    rank = jnp.sum(jnp.cumsum(one_hot, axis=0) * one_hot, axis=-1) - 1             # among its expert's rows
+    sizes = jnp.sum(one_hot, axis=0, dtype=jnp.int32)                               # [E]
+    runs = -(-sizes // block) * block
+    ends = jnp.cumsum(runs)
+    slot = (ends - runs)[experts] + rank.reshape(t, k)
+    n_blocks = (t * k + E * (block - 1)) // block                                   # the most runs can fill
+    starts = jnp.arange(n_blocks, dtype=jnp.int32) * block
+    block_expert = jnp.minimum(jnp.sum(ends[None, :] <= starts[:, None], axis=1), E - 1).astype(jnp.int32)
+    return slot.astype(jnp.int32), block_expert, sizes
+
+
+def block_matmul(h, w, block_expert):
+    """h [n_blocks, b, D_in] x w [E, D_in, D_out] -> [n_blocks, b, D_out]: each block
+    times its expert's matrix (both promoted to one dtype, as an einsum would)."""
+    dtype = jnp.result_type(h, w)
+    return jnp.einsum("nbd,ndf->nbf", h.astype(dtype), jnp.take(w.astype(dtype), block_expert, axis=0))
+
+
+def block_experts(p: dict, h, block_expert, mlp: str):
+    """Each block's expert MLP: h [n_blocks, b, D] -> [n_blocks, b, D]."""
+    up = block_matmul(h, p["w_up"], block_expert)
+    if mlp == "swiglu":
+        up = jax.nn.silu(block_matmul(h, p["w_gate"], block_expert)) * up
+    else:
+        up = jax.nn.gelu(up, approximate=False)
+    return block_matmul(up, p["w_down"], block_expert)
+
+
+def grouped_moe(p: dict, x, experts, weights, *, mlp: str):
+    """The MoE layer of one device holding all E experts (p: "w_up" [E, D, F], "w_down"
+    [E, F, D], and "w_gate" for SwiGLU) on tokens x [t, D] routed to experts [t, k] with
+    gates weights [t, k]: (y [t, D], assignments per expert [E] int32, all kept)."""
+    t, D = x.shape
+    k = experts.shape[1]
+    b = block_rows(t * k, p["w_up"].shape[0])
+    slot, block_expert, sizes = layout(experts, p["w_up"].shape[0], b)
+    rows = block_expert.shape[0] * b
+    # each row of x to its k slots (distinct): the transpose gathers, no scatter-add
+    buf = jnp.zeros((rows, D), x.dtype).at[slot.reshape(-1)].set(jnp.repeat(x, k, axis=0), unique_indices=True)
+    out = block_experts(p, buf.reshape(-1, b, D), block_expert, mlp).reshape(rows, D)     # [n_blocks * b, D]
+    got = jnp.take(out, slot.reshape(-1), axis=0, unique_indices=True).reshape(t, k, D)
+    return jnp.einsum("tk,tkd->td", weights.astype(out.dtype), got), sizes

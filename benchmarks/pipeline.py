@@ -47,7 +47,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import mesh
-from jaxpar.pipeline import baseline, runtime, schedule, stage
+from jaxpar.pipeline import baseline, runtime, stage
+from jaxpar.schedules import schedule
 
 P_STAGES = 4
 N_LAYERS = 8

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 
 from benchmarks._timing import alternated
 from jaxpar import mesh, reference
-from jaxpar.pipeline import baseline, runtime, schedule, stage
+from jaxpar.pipeline import baseline, runtime, stage
+from jaxpar.schedules import schedule
 
 SCHEDULES = tuple(schedule.KNOWN)
 REPEATS = 7

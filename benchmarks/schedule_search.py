@@ -26,8 +26,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from jaxpar.pipeline import published, schedule, search
-from jaxpar.pipeline.timing import Costs, timed
+from jaxpar.schedules import published, schedule, search
+from jaxpar.schedules.timing import Costs, timed
 
 UNIT = Costs(F=1.0, B=1.0, W=1.0, weight_memory=0.0)
 V_SIZES = ((4, 16), (4, 32), (8, 32), (8, 64), (16, 64))

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxpar import comms, reference, verify  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
-from jaxpar.pipeline import schedule  # noqa: E402
+from jaxpar.schedules import schedule  # noqa: E402
 from jaxpar.testing import max_abs_diff  # noqa: E402
 
 CFG = reference.ModelConfig(n_kv_heads=2)   # grouped-query attention: 8 query heads share 2 KV heads

@@ -4,7 +4,7 @@
     python examples/01_pipeline_schedules.py --png DIR  # also a timeline PNG per schedule
 
 Opens with one schedule as the table it is: actions[tick][device], built by
-jaxpar.pipeline.schedule, with its bubble held against the closed form. Every figure
+jaxpar.schedules.schedule, with its bubble held against the closed form. Every figure
 below is then counted from such tables and put beside the lecture's figures and
 formulas. No JAX: schedules are plain Python. The same checks as one table:
 `jaxpar verify schedule`; one schedule's timeline and figures: `jaxpar schedule NAME -p P -m M`.
@@ -13,10 +13,10 @@ formulas. No JAX: schedules are plain Python. The same checks as one table:
 import argparse
 import pathlib
 
-from jaxpar.pipeline import schedule
+from jaxpar.schedules import schedule
 from jaxpar.pipeline.formulas import LECTURE_TIMELINES as LECTURE  # the lecture's timelines
 from jaxpar.pipeline.formulas import bubble
-from jaxpar.pipeline.viz import percent
+from jaxpar.schedules.viz import percent
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--png", metavar="DIR", help="write one timeline PNG per schedule into DIR")

@@ -34,7 +34,8 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxpar.errors import ConfigError  # noqa: E402
-from jaxpar.pipeline import baseline, modules, plan, runtime, schedule, stage  # noqa: E402
+from jaxpar.pipeline import baseline, modules, plan, runtime, stage  # noqa: E402
+from jaxpar.schedules import schedule
 from jaxpar.testing import close, compiled_collectives, max_abs_diff  # noqa: E402
 
 

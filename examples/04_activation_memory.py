@@ -35,7 +35,8 @@ from jaxpar.memory import activations as A  # noqa: E402
 from jaxpar.memory import states  # noqa: E402
 from jaxpar.memory import verify  # noqa: E402
 from jaxpar.pipeline import formulas as pipeline_formulas  # noqa: E402
-from jaxpar.pipeline import orders, plan, schedule  # noqa: E402
+from jaxpar.pipeline import plan  # noqa: E402
+from jaxpar.schedules import orders, schedule
 from jaxpar.planner import catalog  # noqa: E402
 from jaxpar.planner.search import block  # noqa: E402
 

@@ -26,8 +26,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxpar.errors import ConfigError  # noqa: E402
-from jaxpar.pipeline import runtime, schedule, search, stage  # noqa: E402
-from jaxpar.pipeline.timing import Costs, timed  # noqa: E402
+from jaxpar.pipeline import runtime, stage  # noqa: E402
+from jaxpar.schedules import schedule, search
+from jaxpar.schedules.timing import Costs, timed  # noqa: E402
 from jaxpar.testing import max_abs_diff  # noqa: E402
 
 P, M = 4, 8                                                   # pipeline stages (devices), microbatches

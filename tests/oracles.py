@@ -7,7 +7,7 @@ from fractions import Fraction
 
 from hypothesis import settings
 
-from jaxpar.pipeline import schedule as S
+from jaxpar.schedules import schedule as S
 
 FAST = settings(max_examples=40, deadline=None)   # property tests of pure-Python schedules
 

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from jaxpar import errors, mesh, reference
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import formulas, orders, schedule
+from jaxpar.pipeline import formulas
+from jaxpar.schedules import orders, schedule
 
 JUNK = st.one_of(st.integers(-3, 12), st.floats(allow_nan=True), st.text(max_size=3), st.booleans(), st.none(),
                  st.just([1, 2]), st.just(np.int64(4)), st.just(4.0))

@@ -49,9 +49,9 @@ def test_the_scan_finds_a_late_import(tmp_path):
     assert _late_jaxpar_imports(bad) == ["bad.py:4", "bad.py:5"]
 
 
-@pytest.mark.parametrize("module", ["jaxpar.pipeline.schedule", "jaxpar.pipeline.formulas", "jaxpar.pipeline.plan",
-                                    "jaxpar.pipeline.timing", "jaxpar.pipeline.published", "jaxpar.pipeline.search",
-                                    "jaxpar.pipeline.interchange", "jaxpar.cli.schedule",
+@pytest.mark.parametrize("module", ["jaxpar.schedules.schedule", "jaxpar.pipeline.formulas", "jaxpar.pipeline.plan",
+                                    "jaxpar.schedules.timing", "jaxpar.schedules.published", "jaxpar.schedules.search",
+                                    "jaxpar.schedules.interchange", "jaxpar.cli.schedule",
                                     "jaxpar.pipeline.stage_layers",
                                     "jaxpar.tensor.formulas", "jaxpar.context.formulas", "jaxpar.context.zigzag",
                                     "jaxpar.expert.formulas", "jaxpar.data.formulas", "jaxpar.memory.activations", "jaxpar.memory.states",

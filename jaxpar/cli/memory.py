@@ -16,7 +16,7 @@ from jaxpar import errors
 from jaxpar.cli.plan import table
 from jaxpar.memory import activations as A
 from jaxpar.pipeline import formulas as pipeline_formulas
-from jaxpar.pipeline import orders
+from jaxpar.schedules import orders
 from jaxpar.planner import catalog
 from jaxpar.planner.search import ACTIVATIONS, block
 

@@ -19,7 +19,7 @@ per device runs each action on one chunk, 1/v of a stage, so there ticks and pea
 chunk-sized and `--all` also gives them divided by v (stage units) to compare with the others.
 `--costs` in whole ticks (F=1,B=2) sets the table's ticks; with a fraction or comm
 (F=18.522,...,comm=0.601) the timeline stays in unit ticks, showing each device's order,
-and the figures under it are that order timed with the costs (`pipeline.timing`): Qi et
+and the figures under it are that order timed with the costs (`schedules.timing`): Qi et
 al.'s bubble rate and each device's peak activation memory in M_B (one microbatch's
 activations on a device's share of the model).
 
@@ -37,8 +37,9 @@ import textwrap
 
 from jaxpar.cli.flags import translate
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import interchange, orders, plan, published, schedule, search, viz
-from jaxpar.pipeline.timing import EXAMPLE, Costs, Timing, timed
+from jaxpar.pipeline import plan
+from jaxpar.schedules import interchange, orders, published, schedule, search, viz
+from jaxpar.schedules.timing import EXAMPLE, Costs, Timing, timed
 
 FLAGS = {"stages": "-p", "microbatches": "-m", "chunks": "-v", "costs": "--costs", "memory_cap": "--memory",
          "placement": "--placement", "time_limit": "--time-limit"}

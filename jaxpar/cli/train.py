@@ -32,7 +32,8 @@ import json
 import re
 
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import orders, stage_layers
+from jaxpar.pipeline import stage_layers
+from jaxpar.schedules import orders
 
 FLAGS = {"dp": "--mesh dp", "pp": "--mesh pp", "tp": "--mesh tp", "cp": "--mesh cp", "ep": "--mesh ep",
          "microbatches": "--microbatches", "batch_size": "--batch", "seq_len": "--seq", "n_layers": "--layers",

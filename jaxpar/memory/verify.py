@@ -33,7 +33,7 @@ from jaxpar.mesh import TP
 from jaxpar.pipeline import formulas as pipeline_formulas
 from jaxpar.pipeline import plan as plan_lib
 from jaxpar.pipeline import runtime
-from jaxpar.pipeline import schedule as schedule_lib
+from jaxpar.schedules import schedule as schedule_lib
 from jaxpar.tensor.block import TPSpecs
 from jaxpar.tensor.layers import column_parallel, row_parallel
 from jaxpar.tensor.ops import copy_to_tp

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.collectives import varying
 from jaxpar.mesh import DP, PP, axis_size, require_mesh
-from jaxpar.pipeline import schedule as schedule_lib
+from jaxpar.schedules import schedule as schedule_lib
 from jaxpar.pipeline.runtime import Pipeline, request
 from jaxpar.pipeline.stage import mse, to_microbatches
 

@@ -14,10 +14,10 @@ import numpy as np
 from jaxpar import errors
 from jaxpar.comms import Collectives
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import orders
+from jaxpar.schedules import orders
 from jaxpar.pipeline import plan as plan_lib
-from jaxpar.pipeline.schedule import Schedule
-from jaxpar.pipeline.timing import Costs
+from jaxpar.schedules.schedule import Schedule
+from jaxpar.schedules.timing import Costs
 
 
 # Closed forms by the shape of the timeline; `orders.Kind.bubble` and `Kind.in_flight`

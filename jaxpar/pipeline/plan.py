@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxpar.pipeline.schedule import Schedule
+from jaxpar.schedules.schedule import Schedule
 
 LANES = ("B", "F")  # run in this order within a step: B frees a slot that F may take
 F_BRANCHES = ("idle", "F", "F_last")   # Row.f_branch: F_last is F of the last stage, with the loss

@@ -34,7 +34,7 @@ from jaxpar import errors
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import PP, axis_size, require_mesh
 from jaxpar.pipeline import local_shapes
-from jaxpar.pipeline.schedule import Schedule
+from jaxpar.schedules.schedule import Schedule
 from jaxpar.pipeline.stage import layers, mse
 from jaxpar.pipeline.stage_layers import is_even, layer_split
 
@@ -251,7 +251,7 @@ def make(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, ends: E
 def _check_functions(schedule, stage_fn, loss_fn, first_fn) -> None:
     if not isinstance(schedule, Schedule):
         raise ConfigError(f"schedule is a {type(schedule).__name__}, not a Schedule: build one with "
-                          "jaxpar.pipeline.schedule.make('1f1b', stages=..., microbatches=...)")
+                          "jaxpar.schedules.schedule.make('1f1b', stages=..., microbatches=...)")
     named = (("stage_fn", stage_fn), ("loss_fn", loss_fn)) + ((("first_fn", first_fn),) if first_fn is not None
                                                              else ())
     for name, fn in named:

@@ -56,7 +56,7 @@ from jaxpar.pipeline import plan as plan_lib
 from jaxpar.pipeline import request as request_lib
 from jaxpar.pipeline.program import Program
 from jaxpar.pipeline.request import Request
-from jaxpar.pipeline.schedule import Schedule
+from jaxpar.schedules.schedule import Schedule
 from jaxpar.pipeline.stage import (Grads, from_microbatches, from_stages, layers, mse, padded_layers, to_microbatches,
                                    to_stages)
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxpar import reference
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline.schedule import Schedule
+from jaxpar.schedules.schedule import Schedule
 from jaxpar.pipeline.stage_layers import is_even
 
 

@@ -21,7 +21,8 @@ from flax import nnx
 from jaxpar import reference
 from jaxpar import mesh as mesh_lib
 from jaxpar.mesh import DP
-from jaxpar.pipeline import baseline, formulas, modules, runtime, schedule, stage, viz
+from jaxpar.pipeline import baseline, formulas, modules, runtime, stage
+from jaxpar.schedules import schedule, viz
 from jaxpar.pipeline.formulas import LECTURE_TIMELINES
 from jaxpar.testing import Result, compare as compare_trees, compiled_collectives, max_abs_diff
 

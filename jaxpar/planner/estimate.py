@@ -44,7 +44,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.expert import formulas as expert_formulas
 from jaxpar.memory import activations, states
 from jaxpar.pipeline import formulas as pipeline_formulas
-from jaxpar.pipeline import orders
+from jaxpar.schedules import orders
 from jaxpar.planner.catalog import Accelerator, Model
 from jaxpar.tensor import formulas as tensor_formulas
 
@@ -213,7 +213,7 @@ def step_times(model: Model, cluster: Cluster, c: Candidate, *, n_seq: int, m: i
 # drain it, (sum_k t_k - max_d T_d) / chunks: with even stages (p - 1)/(m + p - 1) of
 # the span for 1F1B and (p - 1)/(v m + p - 1) interleaved, the closed forms of
 # `pipeline.formulas.bubble`. With uneven stages it is an upper bound that
-# `pipeline.timing.timed` tightens by a few percent (a light stage catches up in the drain).
+# `schedules.timing.timed` tightens by a few percent (a light stage catches up in the drain).
 
 
 def layer_params(model: Model) -> float:

@@ -27,7 +27,8 @@ import math
 
 from jaxpar.errors import ConfigError
 from jaxpar.memory import activations
-from jaxpar.pipeline import orders, stage_layers
+from jaxpar.pipeline import stage_layers
+from jaxpar.schedules import orders
 from jaxpar.planner.catalog import Model
 from jaxpar.planner.estimate import (ACTIVATIONS, Candidate, Cluster, balanced_split, block, bubble_and_slowest,
                                      head_cost, memory_per_gpu, pipeline_span, sequences, split_label, step_times)

@@ -19,8 +19,9 @@ import jax
 from jaxpar import errors, reference
 from jaxpar import mesh as mesh_lib
 from jaxpar.errors import ConfigError, is_whole
-from jaxpar.pipeline import orders, stage_layers
-from jaxpar.pipeline import schedule as schedule_lib
+from jaxpar.pipeline import stage_layers
+from jaxpar.schedules import orders
+from jaxpar.schedules import schedule as schedule_lib
 
 AXES = (mesh_lib.DP, mesh_lib.PP, mesh_lib.CP, mesh_lib.EP, mesh_lib.TP)   # mesh order: tp innermost (mesh.AXIS_ORDER)
 ATTENTION = ("ring", "ulysses")

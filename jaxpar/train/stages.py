@@ -19,7 +19,7 @@ from jaxpar import errors, reference
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import PP, TP, axis_size, require_mesh
 from jaxpar.pipeline import runtime
-from jaxpar.pipeline.schedule import Schedule
+from jaxpar.schedules.schedule import Schedule
 from jaxpar.tensor.block import TPSpecs, validate_tp
 from jaxpar.tensor.formulas import block_param_shapes
 from jaxpar.tensor.layers import block_shard

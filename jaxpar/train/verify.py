@@ -29,7 +29,8 @@ import optax
 
 from jaxpar import comms, reference
 from jaxpar import mesh as mesh_lib
-from jaxpar.pipeline import formulas, runtime, schedule
+from jaxpar.pipeline import formulas, runtime
+from jaxpar.schedules import schedule
 from jaxpar.testing import Result, compare, skipped, tolerance
 from jaxpar.train import model as model_lib
 from jaxpar.train import stages, summary

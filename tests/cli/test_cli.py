@@ -122,7 +122,7 @@ def test_any_other_error_keeps_its_traceback(monkeypatch):
 
 
 def test_library_messages_speak_python_and_the_cli_speaks_flags(capsys):
-    from jaxpar.pipeline import schedule
+    from jaxpar.schedules import schedule
     with pytest.raises(ConfigError) as e:
         schedule.make("dualpipe-v", 4, 4)
     assert "use microbatches=7 or more" in str(e.value) and "-m" not in str(e.value)
@@ -150,7 +150,7 @@ def test_schedule_refusals_are_one_line_and_exit_2(capsys, argv, words):
 
 def test_schedule_never_imports_jax():
     code = ("import sys; from jaxpar.cli.main import main; main(['schedule', '1f1b', '--steps']); "
-            "main(['schedule', '--all']); from jaxpar.pipeline import formulas, plan, schedule, viz; "
+            "main(['schedule', '--all']); from jaxpar.pipeline import formulas, plan; from jaxpar.schedules import schedule, viz; "
             "schedule.make('dualpipe-v', 4, 8); "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax', 'chex', 'optax')); "
             "print('loaded:', bad)")

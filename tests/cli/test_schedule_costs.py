@@ -6,7 +6,7 @@ import json
 import pytest
 
 from jaxpar.cli.main import main
-from jaxpar.pipeline import interchange
+from jaxpar.schedules import interchange
 
 PAPER = "F=18.522,B=18.086,W=9.337,comm=0.601"   # Qi et al.'s 1.5B model, p=8, m=24 (Table 6)
 

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar import mesh as mesh_lib
-from jaxpar.pipeline import runtime, schedule, stage, verify
+from jaxpar.pipeline import runtime, stage, verify
+from jaxpar.schedules import schedule
 from jaxpar.testing import compare as compare_trees, compiled_collectives
 from tests import oracles
 

@@ -1,4 +1,4 @@
-"""Schedules exchanged with torch.pipelining (jaxpar.pipeline.interchange).
+"""Schedules exchanged with torch.pipelining (jaxpar.schedules.interchange).
 
 * every named schedule (orders.REGISTRY at a few p, m, v) written by to_csv and read back
   by from_csv is the same table, both timings;
@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import pytest
 
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import interchange, orders, schedule
-from jaxpar.pipeline.schedule import Action
+from jaxpar.schedules import interchange, orders, schedule
+from jaxpar.schedules.schedule import Action
 from tests import oracles
 from tests.pipeline import exact
 

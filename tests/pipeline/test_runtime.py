@@ -36,7 +36,8 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import comms
 from jaxpar.errors import ConfigError
 from jaxpar import mesh as mesh_lib
-from jaxpar.pipeline import baseline, formulas, runtime, schedule, stage
+from jaxpar.pipeline import baseline, formulas, runtime, stage
+from jaxpar.schedules import schedule
 from jaxpar.pipeline import plan as plan_lib
 from jaxpar.pipeline import verify
 from jaxpar.testing import assert_close

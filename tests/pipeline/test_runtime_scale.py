@@ -15,7 +15,8 @@ from flax import nnx
 from jaxpar import comms
 from jaxpar import mesh as mesh_lib
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import modules, runtime, schedule, stage, verify
+from jaxpar.pipeline import modules, runtime, stage, verify
+from jaxpar.schedules import schedule
 from jaxpar.pipeline import plan as plan_lib
 from jaxpar.testing import assert_close
 

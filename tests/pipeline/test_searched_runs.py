@@ -1,4 +1,4 @@
-"""Searched schedules (jaxpar.pipeline.search) executed by the pipeline runtime.
+"""Searched schedules (jaxpar.schedules.search) executed by the pipeline runtime.
 
 A searched schedule is a table like any other; these tests hold that the runtime runs it
 as searched:
@@ -32,8 +32,8 @@ from jaxpar import reference
 from jaxpar.memory import activations
 from jaxpar.memory import verify as memory_verify
 from jaxpar.pipeline import plan as plan_lib
-from jaxpar.pipeline import interchange, schedule, search
-from jaxpar.pipeline.timing import Costs
+from jaxpar.schedules import interchange, schedule, search
+from jaxpar.schedules.timing import Costs
 from tests import oracles
 from tests.pipeline import exact
 

@@ -25,7 +25,8 @@ import pytest
 
 from jaxpar import mesh as mesh_lib
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import passes, runtime, schedule, stage, verify
+from jaxpar.pipeline import passes, runtime, stage, verify
+from jaxpar.schedules import schedule
 from jaxpar.testing import assert_close, compiled_collectives
 
 WIDTH = 32

@@ -133,8 +133,8 @@ def test_even_stages_span_is_the_closed_form_bubble(name, p, m, chunks):
 
 def test_uneven_span_bounds_the_timed_schedule():
     """The closed form's span is an upper bound of the 1F1B table timed with these
-    per-stage costs (`pipeline.timing`), within a few percent: the slowest stage sets it."""
-    from jaxpar.pipeline import schedule, timing
+    per-stage costs (`schedules.timing`), within a few percent: the slowest stage sets it."""
+    from jaxpar.schedules import schedule, timing
 
     for costs in ((3.0, 6.0, 6.0, 3.0), (3.0, 6.0, 3.0, 3.0), (2.0, 3.0, 3.0, 2.5)):
         timed = timing.timed(schedule.make("1f1b", stages=4, microbatches=8),

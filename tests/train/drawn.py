@@ -22,7 +22,7 @@ from hypothesis import assume
 from hypothesis import strategies as st
 
 from jaxpar import reference
-from jaxpar.pipeline import orders
+from jaxpar.schedules import orders
 from jaxpar.train.spec import ParallelSpec
 
 MAX_DEVICES = 8

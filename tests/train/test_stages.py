@@ -11,7 +11,7 @@ import pytest
 from jaxpar import reference
 from jaxpar import mesh as mesh_lib
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import schedule
+from jaxpar.schedules import schedule
 from jaxpar.testing import assert_close
 from jaxpar.train import stages
 

@@ -17,7 +17,7 @@ which have no `_dump_csv`), and one `compute_comms` file with torch's send, rece
 gradient-reduction actions. `torch_version.txt` records the version that wrote them.
 
 The other direction is checked here too, since only torch can: every named jaxpar schedule
-(p=4, m=8), written by `jaxpar.pipeline.interchange.to_csv`, loads in torch's runtime
+(p=4, m=8), written by `jaxpar.schedules.interchange.to_csv`, loads in torch's runtime
 (`_load_csv`: its validator, then its lowering with sends and receives) and runs to the end
 in torch's dry-run simulator (`_simulate_comms_compute`, which flags a deadlock). jaxpar's
 pure-Python modules need nothing beyond the standard library, so they import in torch's
@@ -35,7 +35,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 OUT = pathlib.Path(__file__).parent / "torch"
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))   # the repository root: jaxpar
-from jaxpar.pipeline import interchange, orders, schedule  # noqa: E402  (pure Python: no JAX)
+from jaxpar.schedules import interchange, orders, schedule  # noqa: E402  (pure Python: no JAX)
 
 
 class SizesOnlyStage(_PipelineStageBase):

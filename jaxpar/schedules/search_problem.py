@@ -18,8 +18,8 @@ import math
 import time
 from collections.abc import Sequence
 
-from jaxpar.pipeline.schedule import Schedule
-from jaxpar.pipeline.timing import Costs
+from jaxpar.schedules.schedule import Schedule
+from jaxpar.schedules.timing import Costs
 
 KINDS = "FBW"
 F, B, W = 0, 1, 2

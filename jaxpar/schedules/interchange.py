@@ -37,9 +37,9 @@ import re
 from collections.abc import Mapping
 
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import schedule as schedule_lib
-from jaxpar.pipeline.orders import Action, find_deadlock
-from jaxpar.pipeline.schedule import Schedule, ScheduleError
+from jaxpar.schedules import schedule as schedule_lib
+from jaxpar.schedules.orders import Action, find_deadlock
+from jaxpar.schedules.schedule import Schedule, ScheduleError
 
 __all__ = ["to_csv", "from_csv", "TIMINGS", "SKIPPED"]
 

@@ -1,8 +1,8 @@
-"""Schedules searched under a memory cap (pipeline/search.py): the V-shape orders (ZB-V;
+"""Schedules searched under a memory cap (schedules/search.py): the V-shape orders (ZB-V;
 Qi et al. 2024's V-Half and V-Min), uneven stages, random problems, the validator, the
 cap and timing.timed, and the proven optimum of small problems from an integer program
 written here from the schedules' definitions. Table 5's searched columns (ZB-1p, ZB-2p)
-on all 12 rows: tests/pipeline/test_published.py. How long a search takes is a
+on all 12 rows: tests/schedules/test_published.py. How long a search takes is a
 benchmark's figure (`python -m benchmarks.schedule_search`), not a test's."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import random
 import pytest
 
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import published, schedule, search
-from jaxpar.pipeline.schedule import Schedule, ScheduleError
-from jaxpar.pipeline.timing import Costs, timed
+from jaxpar.schedules import published, schedule, search
+from jaxpar.schedules.schedule import Schedule, ScheduleError
+from jaxpar.schedules.timing import Costs, timed
 
 UNIT = Costs(F=1.0, B=1.0, W=1.0, weight_memory=0.0)   # activations freed at B: the schedules' peak_activations
 

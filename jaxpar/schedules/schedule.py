@@ -28,9 +28,9 @@ from collections.abc import Mapping, Sequence
 
 from jaxpar import errors
 from jaxpar.errors import ConfigError, is_whole
-from jaxpar.pipeline import orders, stats, viz
-from jaxpar.pipeline.orders import Action, find_deadlock
-from jaxpar.pipeline.stats import Send
+from jaxpar.schedules import orders, stats, viz
+from jaxpar.schedules.orders import Action, find_deadlock
+from jaxpar.schedules.stats import Send
 
 __all__ = ["Action", "Schedule", "ScheduleError", "Send", "find_deadlock", "make", "simulate", "KNOWN", "SPLIT"]
 

@@ -1,5 +1,5 @@
-"""Schedules timed with float costs and communication (pipeline/timing.py), held against
-Qi et al.'s published bubble rates (pipeline/published.py), their memory formulas, the
+"""Schedules timed with float costs and communication (schedules/timing.py), held against
+Qi et al.'s published bubble rates (schedules/published.py), their memory formulas, the
 closed forms (pipeline/formulas.py) and hand-timed small cases."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import random
 import pytest
 
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import formulas, published, schedule
-from jaxpar.pipeline.timing import Costs, timed, weight_memory_fraction
+from jaxpar.pipeline import formulas
+from jaxpar.schedules import published, schedule
+from jaxpar.schedules.timing import Costs, timed, weight_memory_fraction
 
-# ---- Qi et al. 2023, Table 5 (every column on every row: tests/pipeline/test_published.py) ---------
+# ---- Qi et al. 2023, Table 5 (every column on every row: tests/schedules/test_published.py) ---------
 
 def test_table5_zb_h2_needs_the_papers_cost_not_the_makespan():
     """The paper's cost is the longest device span (post-validated optimizer: each device

@@ -46,13 +46,13 @@ import time
 
 from jaxpar import errors
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline.annealing import anneal
-from jaxpar.pipeline.greedy import greedy_seeds
-from jaxpar.pipeline.orders import Action
-from jaxpar.pipeline.schedule import PLACEMENTS, Schedule, ScheduleError, check_sizes, simulate
-from jaxpar.pipeline.search_problem import KINDS, TOLERANCE, UNIT_COSTS, Budget, Problem, evaluate, fits, make_problem
-from jaxpar.pipeline.seeds import published_seeds, repeated_block
-from jaxpar.pipeline.timing import Costs, Timing, timed
+from jaxpar.schedules.annealing import anneal
+from jaxpar.schedules.greedy import greedy_seeds
+from jaxpar.schedules.orders import Action
+from jaxpar.schedules.schedule import PLACEMENTS, Schedule, ScheduleError, check_sizes, simulate
+from jaxpar.schedules.search_problem import KINDS, TOLERANCE, UNIT_COSTS, Budget, Problem, evaluate, fits, make_problem
+from jaxpar.schedules.seeds import published_seeds, repeated_block
+from jaxpar.schedules.timing import Costs, Timing, timed
 
 __all__ = ["Searched", "search", "minimum_cap", "validate_memory"]
 

@@ -13,8 +13,8 @@ import string
 import textwrap
 
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import orders
-from jaxpar.pipeline.orders import Action
+from jaxpar.schedules import orders
+from jaxpar.schedules.orders import Action
 
 
 LEGEND = (

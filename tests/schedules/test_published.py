@@ -1,6 +1,6 @@
 """Qi et al.'s published figures, copied here from the paper as data, held against jaxpar's
 timing and search (which take their inputs from these copies, not from
-jaxpar/pipeline/published.py, so that code and data cannot drift together):
+jaxpar/schedules/published.py, so that code and data cannot drift together):
 
     Penghui Qi, Xinyi Wan, Guangxing Huang, Min Lin, "Zero Bubble Pipeline Parallelism",
     ICLR 2024 (arXiv 2401.10241). Table 3: the models; Table 6 (appendix D): the profiled
@@ -18,7 +18,7 @@ Every column of Table 5 on every row:
                        over its chunks times each row at most 0.0036 above the paper, and
                        with the first and last chunks empty below it: the test holds the
                        paper's figure between the two.
-jaxpar/pipeline/published.py, which `jaxpar schedule --published` prints, must hold the
+jaxpar/schedules/published.py, which `jaxpar schedule --published` prints, must hold the
 same figures.
 """
 
@@ -28,8 +28,8 @@ import math
 
 import pytest
 
-from jaxpar.pipeline import published, schedule, search
-from jaxpar.pipeline.timing import Costs, timed
+from jaxpar.schedules import published, schedule, search
+from jaxpar.schedules.timing import Costs, timed
 
 # Table 3: model -> (layers, attention heads, hidden size, sequence length, pipeline stages, microbatch size)
 TABLE3 = {

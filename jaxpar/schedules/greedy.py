@@ -14,7 +14,7 @@ import dataclasses
 import heapq
 import math
 
-from jaxpar.pipeline.search_problem import B, F, TOLERANCE, W, Budget, Problem, fits
+from jaxpar.schedules.search_problem import B, F, TOLERANCE, W, Budget, Problem, fits
 
 
 @dataclasses.dataclass(frozen=True)

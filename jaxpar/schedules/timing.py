@@ -48,8 +48,8 @@ import numbers
 from collections.abc import Sequence
 
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline.orders import Action
-from jaxpar.pipeline.schedule import Key, Schedule, place
+from jaxpar.schedules.orders import Action
+from jaxpar.schedules.schedule import Key, Schedule, place
 
 __all__ = ["Costs", "Timing", "timed", "weight_memory_fraction", "DEFAULT_WEIGHT_MEMORY"]
 

@@ -1,5 +1,5 @@
 """The numbers Qi et al. publish for their pipeline schedules, as data, so that jaxpar's
-timing can be held against them (tests/pipeline/test_timing.py, `jaxpar schedule
+timing can be held against them (tests/schedules/test_timing.py, `jaxpar schedule
 --published`).
 
 Source: Penghui Qi, Xinyi Wan, Guangxing Huang, Min Lin, "Zero Bubble Pipeline
@@ -40,9 +40,9 @@ import functools
 from typing import NamedTuple
 
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import schedule as schedule_lib
-from jaxpar.pipeline import search as search_lib
-from jaxpar.pipeline.timing import Costs, timed
+from jaxpar.schedules import schedule as schedule_lib
+from jaxpar.schedules import search as search_lib
+from jaxpar.schedules.timing import Costs, timed
 
 CITATION = 'Qi et al. 2023, "Zero Bubble Pipeline Parallelism", ICLR 2024, arXiv 2401.10241'
 

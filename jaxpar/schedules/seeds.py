@@ -9,9 +9,9 @@ Pure Python: no JAX, no numpy.
 
 from __future__ import annotations
 
-from jaxpar.pipeline import orders
-from jaxpar.pipeline.orders import Action
-from jaxpar.pipeline.search_problem import B, F, KINDS, TOLERANCE, Problem, fits
+from jaxpar.schedules import orders
+from jaxpar.schedules.orders import Action
+from jaxpar.schedules.search_problem import B, F, KINDS, TOLERANCE, Problem, fits
 
 
 # ---- seeds: the published orders --------------------------------------------------

@@ -10,7 +10,7 @@ import math
 import random
 from collections.abc import Sequence
 
-from jaxpar.pipeline.search_problem import F, TOLERANCE, W, Budget, Problem, device_spans, fits
+from jaxpar.schedules.search_problem import F, TOLERANCE, W, Budget, Problem, device_spans, fits
 
 
 def _same_device_order_kept(problem: Problem, program: Sequence[int], index: int) -> bool:

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxpar.cli.main import main
-from jaxpar.pipeline import schedule as S
+from jaxpar.schedules import schedule as S
 from jaxpar.pipeline import formulas
 from tests.oracles import FAST, check_dependencies, v_stage
 

@@ -13,10 +13,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxpar.pipeline import schedule as S
-from jaxpar.pipeline import formulas, orders
+from jaxpar.schedules import schedule as S
+from jaxpar.pipeline import formulas
+from jaxpar.schedules import orders
 from jaxpar.pipeline.formulas import LECTURE_TIMELINES
-from jaxpar.pipeline.viz import percent
+from jaxpar.schedules.viz import percent
 from tests.oracles import FAST, bubble, check_dependencies
 
 # The lecture text sits in shared/ beside the repository (a CI clone has a copy there too).

@@ -9,9 +9,9 @@ import pytest
 
 from jaxpar.cli.main import main
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import schedule as S
+from jaxpar.schedules import schedule as S
 from jaxpar.pipeline.verify import check_schedules
-from jaxpar.pipeline.schedule import Action as A
+from jaxpar.schedules.schedule import Action as A
 
 
 def table(p: int, m: int, placed, split: bool = False, chunks: int = 1) -> S.Schedule:

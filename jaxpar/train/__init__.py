@@ -1,8 +1,10 @@
 """Techniques composed (docs/train.md): the only package that imports several.
 
     spec        ParallelSpec: how the model is split; every violated constraint at once
-    model       the model as flax NNX params with partition metadata; its per-shard block,
+    model       the model's parameters and how each is split (partition_names); its per-shard block,
                 embedding and head (TP/SP, ring or Ulysses over cp, the MoE over ep)
+    nnx_model   LanguageModel: the same parameters as a flax NNX module with that layout as
+                partition metadata (a view for NNX users; the trainer runs plain dicts)
     step        Trainer: ONE jitted step, one shard_map over every axis (pipeline, one
                 gradient reduction or ZeRO-1, global-norm clipping, AdamW)
     unsharded   the same step on one device, plain jit: what every parity check compares with
@@ -24,7 +26,7 @@ from jaxpar import lazy
 
 _EXPORTS = {
     "spec": ("ParallelSpec", "parse"),
-    "model": ("LanguageModel",),
+    "nnx_model": ("LanguageModel",),
     "step": ("Trainer", "TrainState"),
     "unsharded": ("reference_trainer", "reference_parts"),
     "optim": ("OptimConfig",),

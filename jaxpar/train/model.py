@@ -1,11 +1,14 @@
-"""The language model: a flax NNX module holding `reference.ModelConfig`'s parameters
-with partition metadata, and the per-shard functions that run it on a ParallelSpec.
+"""The language model the trainer runs: `reference.ModelConfig`'s parameters (the plain
+dict of reference.init_params), how each is split, and the per-shard functions that run
+it on a ParallelSpec.
 
-    model = LanguageModel(cfg, key=jax.random.key(0))
-    nnx.get_partition_spec(nnx.state(model))   # how each weight is split (flax's own tools)
-    partition_specs(cfg, tp=2)                 # the same, read from a model built abstractly
-    model(tokens)                               # logits, unsharded (reference.forward)
-    model.params()                              # the plain dict reference.init_params gives
+    partition_names(cfg, tp=2)   every weight's dimension names (the mesh axis of each)
+    partition_specs(cfg, tp=2)   the same as PartitionSpecs: what the trainer lays out
+    split(params), join(tree)    the stages' parts: blocks, first (embedding), last (head)
+
+The same parameters as a flax NNX module with this partition metadata are
+`nnx_model.LanguageModel`, a view for NNX users: the trainer does not go through it
+(docs/design.md, "NNX").
 
 Per shard (inside the step's one shard_map; `shard_fns(cfg, spec, seq_len)`):
   block   `tensor.layers.block_shard` over tp (Megatron, SP when asked), its attention
@@ -28,7 +31,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import reference
@@ -71,8 +73,9 @@ def _names(pspec: P, ndim: int) -> tuple:
 
 def partition_names(cfg: reference.ModelConfig, tp: int = 2) -> dict:
     """Every weight's dimension names, the mesh axis each dimension is split over (None:
-    not split), in reference.init_params's structure: what LanguageModel's metadata
-    holds. Megatron's layout over tp is the tensor package's (`TPSpecs.named`: the KV
+    not split), in reference.init_params's structure: the trainer's pspecs
+    (`partition_specs`), and the metadata of the NNX view (`nnx_model.LanguageModel`).
+    Megatron's layout over tp is the tensor package's (`TPSpecs.named`: the KV
     heads replicated when tp > K; `VocabSpecs`); on top of it the L layers are stacked
     over pp and an MoE's experts split over ep, each expert's FFN over tp as the dense
     MLP's, its router (and selection bias) replicated."""
@@ -91,10 +94,9 @@ def partition_names(cfg: reference.ModelConfig, tp: int = 2) -> dict:
 
 @functools.cache
 def partition_specs(cfg: reference.ModelConfig, tp: int = 2) -> dict:
-    """Every weight's PartitionSpec, read from the partition metadata of LanguageModel(cfg,
-    tp=tp) built abstractly (nnx.eval_shape: no array is made). Shared: do not mutate."""
-    model = nnx.eval_shape(lambda: LanguageModel(cfg, tp=tp))
-    return nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model, nnx.Param)))
+    """Every weight's PartitionSpec (`partition_names` as pspecs), in reference.init_params's
+    structure. Shared: do not mutate."""
+    return jax.tree.map(lambda names: P(*names), partition_names(cfg, tp), is_leaf=lambda x: isinstance(x, tuple))
 
 
 def stage_pspecs(cfg: reference.ModelConfig, spec: ParallelSpec) -> tuple[dict, dict, dict]:
@@ -135,37 +137,6 @@ def zero3_dims(cfg: reference.ModelConfig, spec: ParallelSpec) -> dict:
             if len(a.shape) == 1:
                 dims[part][name] = -1
     return dims
-
-
-class LanguageModel(nnx.Module):
-    """reference.ModelConfig's decoder as NNX parameters with partition metadata
-    (`out_sharding`: the mesh axis of each dimension, `partition_names`; flax's
-    get_partition_spec reads it, and so does the trainer). The blocks stack their L
-    layers on a leading axis, split over pp. tp: the KV heads are replicated when it
-    exceeds n_kv_heads (the names are the same for every tp that divides them)."""
-
-    def __init__(self, cfg: reference.ModelConfig, *, key=None, params: dict | None = None,
-                 dtype=jnp.float32, tp: int = 2):
-        self.cfg = cfg
-        params = reference.init_params(jax.random.key(0) if key is None else key, cfg, dtype) \
-            if params is None else params
-        names = partition_names(cfg, tp)
-        param = lambda a, n: nnx.Param(jnp.asarray(a), out_sharding=n, eager_sharding=False)
-        self.embed = param(params["embed"], names["embed"])
-        self.final_norm = param(params["final_norm"], names["final_norm"])
-        self.unembed = param(params["unembed"], names["unembed"])
-        self.blocks = nnx.Dict({k: param(a, names["blocks"][k]) for k, a in params["blocks"].items()})
-
-    def params(self) -> dict:
-        """The plain dict of arrays (reference.init_params's structure)."""
-        return {"embed": self.embed[...], "final_norm": self.final_norm[...], "unembed": self.unembed[...],
-                "blocks": {k: v[...] for k, v in self.blocks.items()}}
-
-    def __call__(self, tokens):
-        return reference.forward(self.params(), tokens, self.cfg)
-
-    def loss(self, tokens):
-        return reference.loss(self.params(), tokens, self.cfg)
 
 
 # ---- per shard ------------------------------------------------------------------------------

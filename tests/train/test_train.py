@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import reference
 from jaxpar.errors import ConfigError
-from jaxpar.train import model, verify
+from jaxpar.train import model, nnx_model, verify
 from jaxpar.train.data import Corpus
 from jaxpar.train.optim import OptimConfig
 from jaxpar.train.spec import ParallelSpec, parse
@@ -68,7 +68,7 @@ def test_the_nnx_model_holds_the_reference_params_and_their_partitioning():
     the experts over ep, written out (MOE: K=2 heads split over tp=2)."""
     cfg = verify.MOE
     params = reference.init_params(jax.random.key(3), cfg)
-    graphdef, state = nnx.split(model.LanguageModel(cfg, params=params))
+    graphdef, state = nnx.split(nnx_model.LanguageModel(cfg, params=params))
     flat = {tuple(str(k) for k in path): v for path, v in nnx.to_flat_state(state)}
     want = {("embed",): params["embed"], ("final_norm",): params["final_norm"], ("unembed",): params["unembed"]} | {
         ("blocks", k): a for k, a in params["blocks"].items()}
@@ -88,10 +88,11 @@ def test_the_nnx_model_holds_the_reference_params_and_their_partitioning():
     got = {k: v.get_value() for k, v in pspecs.items() if k != "blocks"} | {
         "blocks": {k: v.get_value() for k, v in pspecs["blocks"].items()}}
     assert got == expected
+    assert got == model.partition_specs(cfg, 2)          # the NNX view's metadata is the trainer's layout
 
 
-def test_the_trainer_reads_its_specs_from_the_models_metadata():
-    """model.stage_pspecs: the NNX metadata split by stage, the layers' pp dimension dropped, axes
+def test_the_trainer_reads_its_specs_from_the_models_partition_names():
+    """model.stage_pspecs: partition_names split by stage, the layers' pp dimension dropped, axes
     of one device left out (MOE on ep2 x tp2: K=2 heads split; tp1: nothing over tp)."""
     cfg = verify.MOE
     layer, first, last = model.stage_pspecs(cfg, ParallelSpec(ep=2, tp=2))
@@ -102,8 +103,8 @@ def test_the_trainer_reads_its_specs_from_the_models_metadata():
     layer, first, _ = model.stage_pspecs(cfg, ParallelSpec(pp=2, ep=2))
     assert layer["w_down"] == P("ep", None, None) and layer["wq"] == P(None, None, None)
     assert first == {"embed": P(None, None)}
-    nnx_pspecs = model.partition_specs(cfg, 2)
-    assert model.join(model.split(nnx_pspecs)) == nnx_pspecs
+    pspecs = model.partition_specs(cfg, 2)
+    assert model.join(model.split(pspecs)) == pspecs
 
 
 def test_batches_are_a_function_of_the_step():

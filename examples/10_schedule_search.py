@@ -1,21 +1,16 @@
-"""Pipeline schedules searched under a memory cap, then run (Qi et al. 2023, "Zero Bubble
-Pipeline Parallelism", section 3; Qi et al. 2024, "Pipeline Parallelism with
-Controllable Memory").
+"""Pipeline schedules searched under a memory cap, then run (Qi et al. 2023, "Zero Bubble Pipeline
+Parallelism", section 3; Qi et al. 2024, "Pipeline Parallelism with Controllable Memory").
 
     python examples/10_schedule_search.py
 
-Runs on 8 fake CPU devices (4 used). Opens with the technique: `search` finds device
-orders with the backward split into B (input gradient) and W (weight gradient) for
-measured costs (Qi et al.'s 1.5B model: F=18.522, B=18.086, W=9.337 ms, comm 0.601 ms)
-under a cap on each device's live activations, in M_B (one microbatch's activations on
-a stage; p M_B is 1F1B's memory). Then:
-  demo 2  the searched schedule checked (validate, memory under the cap), timed against
-          1F1B and ZB-H1 under the same costs, and its timeline;
-  demo 3  the searched schedule run by the pipeline runtime on pp=4 (float64), loss and
-          every gradient against one device's (the runtime runs the table's order);
-  demo 4  the V placement (two chunks a device, ZB-V / V-Half) searched and run the same way;
-  demo 5  a cap no order fits: ConfigError naming the smallest feasible one.
-The full Table 5 comparison: `python -m benchmarks.schedule_search`.
+On 8 fake CPU devices (4 used). `search.search` finds device orders with the backward split into
+B and W for measured costs (Qi et al.'s 1.5B model) under a cap on each device's live activations
+in M_B (one microbatch's on a stage; p M_B is 1F1B's memory); the result checked and timed against
+1F1B and ZB-H1, run by the pipeline runtime on pp=4 against one device, the V placement the same
+way, and a cap no order fits refused. Qi et al.'s Table 5: `python -m benchmarks.schedule_search`.
+The searched schedule's timeline and its rivals' bubbles from the command line:
+
+    jaxpar schedule search -p 4 -m 8 --memory 4 --costs F=18.522,B=18.086,W=9.337,comm=0.601
 """
 
 from jaxpar import mesh
@@ -27,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxpar.errors import ConfigError  # noqa: E402
 from jaxpar.pipeline import runtime, stage  # noqa: E402
-from jaxpar.schedules import schedule, search
+from jaxpar.schedules import schedule, search  # noqa: E402
 from jaxpar.schedules.timing import Costs, timed  # noqa: E402
 from jaxpar.testing import max_abs_diff  # noqa: E402
 
@@ -53,9 +48,6 @@ def demo_checked_and_timed():
     ok = timing.bubble == found.timing.bubble and timing.bubble <= min(rates.values()) + 1e-12
     print(f"  valid, peak {max(timing.peak_memory):.2f} <= {P} M_B; bubble {timing.bubble:.4f} against "
           f"1F1B {rates['1f1b']:.4f} and ZB-H1 {rates['zb-h1']:.4f}  {'ok' if ok else 'FAIL'}")
-    print("  the order each device runs, drawn in unit ticks (the header's bubble is in those ticks;\n"
-          "  digits F, lowercase B, uppercase W):")
-    print("\n".join("    " + line for line in found.ascii().splitlines()))
 
 
 def _run_against_one_device(found, what: str) -> None:

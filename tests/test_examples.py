@@ -72,7 +72,7 @@ EXPECTED = {
     "11_train_on_text.py": ["4 cpu devices", "validation tokens (uint16), vocab 512",
                             "from a fresh TokenData: the same tokens: ok",
                             (re.compile(r"^  step +\d+: training loss \d\.\d+ .*, validation loss \d\.\d+$", re.M), 3),
-                            "training and validation losses fell by more than 1 nat: ok",
+                            "training and validation losses fell by more than 1 nat from the first step's: ok",
                             "prompt 'The return value of', 40 tokens on: "],
     "12_attention_kernel.py": ["gpu bfloat16 head_dim 128  auto -> cudnn", "gpu float32  head_dim 128  auto -> xla",
                                "ConfigError: attention_kernel='cudnn' cannot run here: dtype float32",

@@ -80,11 +80,6 @@ class ParallelSpec:
             problems.append(f"zero={self.zero!r} must be one of {', '.join(map(str, ZERO))}: 0 (replicated "
                             "optimizer state), 1 (ZeRO-1: the optimizer state sharded over dp), 2 (ZeRO-2: and "
                             "the gradients), 3 (ZeRO-3 / FSDP: and the weights, gathered layer by layer)")
-        if self.zero == 3 and self.recompute is True:
-            problems.append("zero=3 with recompute=True: ZeRO-3 keeps each layer's activations and gathers its "
-                            "weights again in the backward; a recomputed layer would gather them a third time, "
-                            "a count this trainer does not pin down. Fix: recompute=False with zero=3, or zero=1 "
-                            "with recompute=True")
         if self.zero == 3 and self.pp > 1 and isinstance(self.schedule, str) and self.schedule in orders.REGISTRY \
                 and orders.lookup(self.schedule).split_backward:
             problems.append(f"zero=3 with schedule={self.schedule!r} (its backward split into B and W): the step "

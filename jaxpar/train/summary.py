@@ -126,7 +126,9 @@ def expected_zero3_by_rank(trainer) -> dict[int, dict[str, float]]:
                the schedule splits the backward (W reads no weight: nothing gathered);
                the embedding gathered in each first-stage F, reduce-scattered in each
                first-stage backward; the head gathered, gathered again and
-               reduce-scattered in each F with the loss."""
+               reduce-scattered in each F with the loss.
+    recompute=True adds one gather of every layer per B (per microbatch at pp = 1): B
+    runs the stage's forward again before its pullback."""
     spec, plan = trainer.spec, trainer.local.plan
     kinds = {k: _zero3_weights(trainer, k) for k in ("blocks", "first", "last")}
 
@@ -138,16 +140,20 @@ def expected_zero3_by_rank(trainer) -> dict[int, dict[str, float]]:
     def total(*parts):
         return {k: float(sum(p[k] for p in parts)) for k in ("reduce-scatter", "all-gather")}
 
+    # recompute=True: B runs the stage's forward again first, gathering every layer's
+    # weights once more (its pullback then gathers again those it reads itself)
+    rerun = 1 if spec.recompute is True else 0
     if spec.pp == 1:
         m = plan.schedule.microbatches
-        return {0: total(*(bytes_of(k, 1, m, m) for k in kinds))}
+        return {0: total(*(bytes_of(k, 1, m, m) for k in kinds), bytes_of("blocks", rerun * m, 0, 0))}
     out = {}
     v = spec.resolved_chunks
     split = any(plan.lane_runs(d)["pipeline_W"] for d in range(spec.pp))
     for d in range(spec.pp):
         runs = plan.lane_runs(d)
         scatters = runs["pipeline_W"] if split else runs["pipeline_B"]
-        out[d] = total(bytes_of("blocks", runs["pipeline_F"], runs["pipeline_B"], scatters, share=1 / v),
+        out[d] = total(bytes_of("blocks", runs["pipeline_F"] + rerun * runs["pipeline_B"], runs["pipeline_B"], scatters,
+                                share=1 / v),
                        bytes_of("first", runs["pipeline_first"], 0, runs["pipeline_first_backward"]),
                        bytes_of("last", runs["pipeline_loss"], runs["pipeline_loss"], runs["pipeline_loss"]))
     return out

@@ -31,6 +31,11 @@ MESHES = {
     "dp2 pp2 ep2 MoE, balance loss and bias": (
         ParallelSpec(dp=2, pp=2, ep=2, microbatches=2, zero=3),
         dataclasses.replace(verify.MOE, router="sigmoid", aux_loss=0.01, bias_rate=1e-3)),
+    # recompute=True: B reruns each stage's forward, gathering every layer's weights once more
+    "dp4 tp2 m2 recompute (one stage)": (ParallelSpec(dp=4, tp=2, microbatches=2, zero=3, recompute=True),
+                                         verify.DENSE),
+    "dp2 pp2 tp2 1f1b recompute": (ParallelSpec(dp=2, pp=2, tp=2, microbatches=2, zero=3, recompute=True),
+                                   verify.DENSE),
 }
 
 
@@ -153,7 +158,6 @@ def test_zero2_compiles_to_zero1s_program():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(zero=4), "zero=4 must be one of 0, 1, 2, 3"),
-    (dict(zero=3, recompute=True), "recompute=False with zero=3"),
     (dict(dp=2, pp=2, zero=3, schedule="zb-h1", microbatches=2), "schedule in"),
     (dict(zero=True), "zero=True"),
 ])

@@ -195,8 +195,11 @@ def stage_collectives(*, cfg, spec, batch_size: int, seq_len: int, dtype, runs: 
     fwd, bwd = layer_collectives(**kw), layer_collectives(**kw, backward=True)
     total = _times(fwd, depth * runs["pipeline_F"]) + _times(bwd, depth * runs["pipeline_B"])
     # one layer under its own jax.checkpoint: a one-layer stage, or every layer of the
-    # one-stage program (pipeline.direct checkpoints layer by layer)
-    alone = depth == 1 or spec.pp == 1
+    # one-stage program (pipeline.direct checkpoints layer by layer). Uneven stages are all
+    # laid out as the deepest (padded, the padding skipped): a one-layer stage among them
+    # is scanned like the rest, so nothing is merged away
+    uneven = spec.layers_per_stage is not None and len(set(spec.layers_per_stage)) > 1
+    alone = (depth == 1 and not uneven) or spec.pp == 1
     if spec.recompute is True:
         again = _times(fwd, depth)
         if alone:

@@ -110,15 +110,6 @@ class ParallelSpec:
         if self.pp == 1:
             out.append(f"layers_per_stage={counts} with pp=1: one device runs every layer, there is no stage to "
                        "balance. Fix: pp > 1, or layers_per_stage=None")
-        if self.zero == 3:
-            out.append(f"layers_per_stage={counts} with zero=3: each stage's layers gather their weights over dp, "
-                       "and the trainer's ZeRO-3 collective check counts those gathers per pp rank from one "
-                       "layer count for every stage. Fix: zero in (0, 1, 2) with uneven stages, or even stages")
-        sizes_ok = all(is_whole(getattr(self, a)) for a in AXES)
-        if self.recompute is True and sizes_ok and self.tp * self.cp * self.ep > 1:
-            out.append(f"layers_per_stage={counts} with recompute=True and tp*cp*ep > 1: the trainer's collective "
-                       "check counts a recomputed one-layer stage as XLA compiles it unscanned, but padded to the "
-                       "largest count it is scanned. Fix: recompute=False, or even stages")
         return out
 
     @property

@@ -99,10 +99,10 @@ def configurations(draw, family: str = "any") -> Drawn:
     spec = ParallelSpec(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, schedule=name, chunks=chunks, microbatches=m,
                         sequence_parallel=sp, recompute=recompute, zero=zero, attention=attention, layout=layout)
     stages = pp * spec.resolved_chunks        # deeper stacks add compile time, not coverage: <= 2 layers a stage
-    # uneven stages where the spec takes them (not ZeRO-3, not recompute=True with tp, cp or
-    # ep above 1): each stage 1 or 2 layers, at least one of each; past 4 stages one stage of 2
+    # uneven stages wherever pp > 1: each stage 1 or 2 layers, at least one of each; past 4
+    # stages one stage of 2
     layer_counts = None
-    if pp > 1 and zero != 3 and not (recompute is True and tp * cp * ep > 1) and draw(st.booleans()):
+    if pp > 1 and draw(st.booleans()):
         if stages <= 4:
             layer_counts = tuple(draw(st.lists(st.sampled_from([1, 2]), min_size=stages, max_size=stages)
                                       .filter(lambda counts: len(set(counts)) == 2)))

@@ -179,9 +179,13 @@ def _split_combined(op: CollectiveOp, type_str: str) -> list[CollectiveOp]:
             for (dtype, dims), name in zip(elements, names)]
 
 
-def collective_ops_from_hlo(hlo: str, *, split_combined: bool = False) -> list[CollectiveOp]:
+def collective_ops_from_hlo(hlo: str, *, split_combined: bool = False,
+                            every_branch: bool = False) -> list[CollectiveOp]:
     """Every collective of an optimised HLO module, with how often it runs (split_combined:
-    an all-reduce XLA merged from named JAX collectives as those collectives)."""
+    an all-reduce XLA merged from named JAX collectives as those collectives). A
+    conditional's ops are its heaviest branch's for each kind (an upper bound); with
+    every_branch, every branch's, each still flagged conditional: for a caller that knows
+    from the ops' scopes how often each branch runs (the trainer's pipeline lanes)."""
     comps, types, entry = _parse(hlo)
     m = _PARTITIONS.search(hlo)
     partitions = int(m.group(1)) if m else 1
@@ -213,6 +217,9 @@ def collective_ops_from_hlo(hlo: str, *, split_combined: bool = False) -> list[C
                 names = ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches
                          else [c for k, c in _CALLS.findall(instr.rest) if k.endswith("_computation")])
                 per_branch = [walk(b, executions) for b in names]
+                if every_branch:
+                    ops += [dataclasses.replace(o, conditional=True) for branch in per_branch for o in branch]
+                    continue
                 for kind in KINDS:
                     heaviest = max(([o for o in branch if o.kind == kind] for branch in per_branch),
                                    key=lambda os_: (sum(o.bytes * o.executions for o in os_),

@@ -155,6 +155,28 @@ def test_switch_takes_the_costliest_branch_per_kind(m1):
     assert all(v["in_conditional"] == v["count"] for v in stats.values())
 
 
+def test_every_branch_lists_each_branchs_ops_where_the_bound_keeps_the_heaviest(m1):
+    """Two branches each with an all-reduce, of different sizes: the bound keeps the larger
+    one's; every_branch=True lists both, flagged conditional, each under its own scope
+    (what a caller that knows each branch's runs counts exactly: the trainer's ZeRO-3)."""
+    def body(x):
+        i = (x[0, 0] > 0).astype(jnp.int32)
+        def small(x):
+            with jax.named_scope("small"):
+                return x + jax.lax.psum(x[:1], "dp")
+        def big(x):
+            with jax.named_scope("big"):
+                return x + jax.lax.psum(x, "dp")
+        return jax.lax.switch(i, [small, big], x)
+
+    hlo = comms.compiled_text(shard(body, m1), x_global())
+    heaviest = [o for o in comms.collective_ops_from_hlo(hlo) if o.kind == "all-reduce"]
+    every = [o for o in comms.collective_ops_from_hlo(hlo, every_branch=True) if o.kind == "all-reduce"]
+    assert [o.bytes for o in heaviest] == [BLOCK]
+    assert sorted(o.bytes for o in every) == sorted([BLOCK, BLOCK // ROWS]) and all(o.conditional for o in every)
+    assert {("big" in o.scope, "small" in o.scope) for o in every} == {(True, False), (False, True)}
+
+
 def test_nested_conditionals_in_a_scan_bound_every_kind(m1):
     # switch(nothing | psum | all_gather) in a scan of 6: a per-branch maximum would drop
     # the all-reduce; the per-kind bound keeps both kinds, 6 times each.

@@ -80,13 +80,6 @@ class ParallelSpec:
             problems.append(f"zero={self.zero!r} must be one of {', '.join(map(str, ZERO))}: 0 (replicated "
                             "optimizer state), 1 (ZeRO-1: the optimizer state sharded over dp), 2 (ZeRO-2: and "
                             "the gradients), 3 (ZeRO-3 / FSDP: and the weights, gathered layer by layer)")
-        if self.zero == 3 and self.pp > 1 and isinstance(self.schedule, str) and self.schedule in orders.REGISTRY \
-                and orders.lookup(self.schedule).split_backward:
-            problems.append(f"zero=3 with schedule={self.schedule!r} (its backward split into B and W): the step "
-                            "would compute right, but its ZeRO-3 reduce-scatters run in both B (the embedding's) "
-                            "and W (the layers'), and the trainer's collective check (comms) reads one branch per "
-                            "kind of the backward's switch, so it could not prove them. Fix: schedule in "
-                            f"({', '.join(orders.names(split_backward=False))}) with zero=3")
         problems += self._uneven_problems()
         if self.attention not in ATTENTION:
             problems.append(f"attention={self.attention!r} must be one of {', '.join(ATTENTION)}")

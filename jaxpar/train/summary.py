@@ -123,12 +123,14 @@ def expected_zero3_by_rank(trainer) -> dict[int, dict[str, float]]:
       pp > 1   per run of a branch on that rank (`Plan.lane_runs`), a chunk's layers
                (1/v of the rank's blocks): gathered in each F, again in each B (which
                reads the weights for dL/dx), reduce-scattered in each B, or in each W where
-               the schedule splits the backward (W reads no weight: nothing gathered);
+               the schedule splits the backward (W runs the layer's pullback as well, which
+               gathers again the weights it reads: the count includes it, though dL/dW
+               needs none);
                the embedding gathered in each first-stage F, reduce-scattered in each
                first-stage backward; the head gathered, gathered again and
                reduce-scattered in each F with the loss.
-    recompute=True adds one gather of every layer per B (per microbatch at pp = 1): B
-    runs the stage's forward again before its pullback."""
+    recompute=True adds one gather of every layer per B and per W (per microbatch at pp =
+    1): each runs the stage's forward again before its pullback."""
     spec, plan = trainer.spec, trainer.local.plan
     kinds = {k: _zero3_weights(trainer, k) for k in ("blocks", "first", "last")}
 
@@ -152,8 +154,10 @@ def expected_zero3_by_rank(trainer) -> dict[int, dict[str, float]]:
     for d in range(spec.pp):
         runs = plan.lane_runs(d)
         scatters = runs["pipeline_W"] if split else runs["pipeline_B"]
-        out[d] = total(bytes_of("blocks", runs["pipeline_F"] + rerun * runs["pipeline_B"], runs["pipeline_B"], scatters,
-                                share=1 / v),
+        # a split backward's W runs the layer's pullback too, which gathers again what it reads
+        again = runs["pipeline_B"] + (runs["pipeline_W"] if split else 0)
+        # recompute: B reruns the forward, and so does W (from the stage's input it keeps)
+        out[d] = total(bytes_of("blocks", runs["pipeline_F"] + rerun * again, again, scatters, share=1 / v),
                        bytes_of("first", runs["pipeline_first"], 0, runs["pipeline_first_backward"]),
                        bytes_of("last", runs["pipeline_loss"], runs["pipeline_loss"], runs["pipeline_loss"]))
     return out
@@ -248,8 +252,8 @@ def collectives(trainer, compiled) -> dict:
     # at pp = 1 (pipeline.direct) XLA merges a stage's all-reduces across layers and with
     # the step's own: split back into the psums they were, each counted where it was
     # written (train.formulas counts them so)
-    ops = comms.resolve(comms.collective_ops_from_hlo(compiled.as_text(), split_combined=trainer.spec.pp == 1),
-                        plan.runs())
+    hlo = compiled.as_text()
+    ops = comms.resolve(comms.collective_ops_from_hlo(hlo, split_combined=trainer.spec.pp == 1), plan.runs())
     # a collective over a group of one device (the vocab-parallel ops over tp = 1: XLA keeps
     # them) moves nothing, and no formula counts it
     ops = [o for o in ops if o.group_size > 1]
@@ -268,7 +272,11 @@ def collectives(trainer, compiled) -> dict:
     zero = {k: sum(o.bytes for o in once if o.kind == k) for k in ("reduce-scatter", "all-gather")}
     zero_ranks = expected_ranks = None
     if spec.zero == 3:            # inside the layers, per pp rank (and summed: `zero`)
-        zero_ranks, expected_ranks = zero3_by_rank(trainer, ops), expected_zero3_by_rank(trainer)
+        # ZeRO-3's ops of every branch of the lane switch, each counted by its own lane's
+        # runs: under a split backward its reduce-scatters sit in B (the embedding's) and in
+        # W (the layers'), and the heaviest branch alone would hide one
+        every = [o for o in comms.collective_ops_from_hlo(hlo, every_branch=True) if o.group_size > 1]
+        zero_ranks, expected_ranks = zero3_by_rank(trainer, every), expected_zero3_by_rank(trainer)
         zero = _sum_ranks(zero_ranks)
     stages = {d: stage_collectives(trainer, ops, d) for d in range(spec.pp)}
     return {"sends": sends, "expected_sends": expected_sends, "reductions": reductions,

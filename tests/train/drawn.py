@@ -93,9 +93,7 @@ def configurations(draw, family: str = "any") -> Drawn:
     layout = draw(_options(family, ["zigzag", "contiguous"])) if cp > 1 else "contiguous"
     sp = draw(_options(family, [True, False])) if tp > 1 else False
     recompute = draw(_options(family, ["dots", False, True]))
-    # ZeRO-3 refuses a split backward (ParallelSpec): drawn where it fits
-    split = pp > 1 and orders.lookup(name).split_backward
-    zero = draw(_options(family, [1, 0, 2] if split else [3, 1, 0, 2]))
+    zero = draw(_options(family, [3, 1, 0, 2]))
     spec = ParallelSpec(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, schedule=name, chunks=chunks, microbatches=m,
                         sequence_parallel=sp, recompute=recompute, zero=zero, attention=attention, layout=layout)
     stages = pp * spec.resolved_chunks        # deeper stacks add compile time, not coverage: <= 2 layers a stage

@@ -362,7 +362,7 @@ def _summary(args, trainer, history, lead: bool) -> dict:
     summary["attention_kernel"] = trainer.kernel
     summary["vocab"] = trainer.cfg.vocab
     summary["processes"] = jax.process_count()
-    rows = loop.local_rows(loop.token_sharding(trainer), (trainer.batch_size, trainer.seq_len + 1))
+    rows = loop.local_rows(trainer.token_sharding, (trainer.batch_size, trainer.seq_len + 1))
     summary["batch_rows"] = [rows.start, rows.stop]        # the rows of each batch this process reads
     validation = history.validation()
     summary["val_step"], summary["val_loss"] = validation[-1] if validation else (None, None)

@@ -99,13 +99,6 @@ class History:
 
 # ---- batches: each process reads only its own rows --------------------------------------------
 
-def token_sharding(trainer: Trainer) -> NamedSharding:
-    """Tokens int[B, T+1] split by rows as the step splits its batch (over the batch axes
-    dp and ep that `trainer.batch_spec` names for rows), whole along the sequence."""
-    rows = trainer.batch_spec[0] if len(trainer.batch_spec) else None
-    return NamedSharding(trainer.mesh, P(rows))
-
-
 def local_rows(sharding: NamedSharding, shape: tuple[int, ...]) -> slice:
     """The rows of an array of `shape` [B, ...] that this process's devices hold under
     `sharding`: one slice from the first row any of them holds to the last (a process's
@@ -129,25 +122,13 @@ def _check_tokens(tokens, rows: slice, trainer: Trainer) -> np.ndarray:
     return tokens.astype(np.int32)
 
 
-@functools.lru_cache(maxsize=16)
-def _replicate(sharding: NamedSharding):
-    """A jitted identity whose output is replicated over `sharding`'s mesh: each device
-    gathers the rows it does not hold (the step takes its tokens replicated, P())."""
-    return jax.jit(_identity, out_shardings=sharding)
-
-
-def _identity(x):
-    return x
-
-
 def global_batch(trainer: Trainer, read) -> jax.Array:
     """The global batch int[B, T+1] on `trainer`'s mesh, of which this process reads only
     the rows its devices hold: read(rows=...) -> those rows (rows=None: the whole batch,
-    when this process holds every row). Built split by rows (`token_sharding`), then
-    gathered to the replicated layout `Trainer.step` takes: the step's compiled program is
-    unchanged, and no process reads the whole batch from its data. (Were the step
-    lowered with `token_sharding`'s layout for its tokens, the gather would go.)"""
-    sharding = token_sharding(trainer)
+    when this process holds every row). Split by rows as `Trainer.step` takes it
+    (`trainer.token_sharding`): each device holds only its rows, nothing is gathered, and
+    no process reads the whole batch from its data."""
+    sharding = trainer.token_sharding
     shape = (trainer.batch_size, trainer.seq_len + 1)
     rows = local_rows(sharding, shape)
     local = _check_tokens(read(rows=None if rows == slice(0, shape[0]) else rows), rows, trainer)
@@ -155,25 +136,28 @@ def global_batch(trainer: Trainer, read) -> jax.Array:
     def block(index):
         start, stop = index[0].indices(shape[0])[:2]
         return local[start - rows.start:stop - rows.start]
-    split = jax.make_array_from_callback(shape, sharding, block)
-    return _replicate(NamedSharding(trainer.mesh, P()))(split)
+    return jax.make_array_from_callback(shape, sharding, block)
 
 
 # ---- validation --------------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnums=2)
-def _reference_loss(params, tokens, cfg):
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _reference_loss(params, tokens, cfg, mesh):
+    # the tokens come split by rows: gathered first, so the loss is one replicated program
+    # that sums as the unsharded model does
+    tokens = jax.lax.with_sharding_constraint(tokens, NamedSharding(mesh, P()))
     return reference.loss(params, tokens, cfg)
 
 
 def eval_loss(trainer: Trainer, state: TrainState, tokens) -> float:
     """The loss of `state`'s weights on tokens int[B, T+1] (a global array from
-    `global_batch`), forward only: `reference.loss` (the trained loss: cross-entropy, plus
-    the balance term when cfg.aux_loss > 0) on the canonical weights, one jitted program,
-    replicated on every device. Simple and exact; a program sharded as the step is would
-    be faster on a large model."""
+    `global_batch`, split by rows, or host data), forward only: `reference.loss` (the
+    trained loss: cross-entropy, plus the balance term when cfg.aux_loss > 0) on the
+    canonical weights, one jitted program, replicated on every device (it gathers the
+    batch's rows first). Simple and exact; a program sharded as the step is would be
+    faster on a large model."""
     params, _, _ = trainer.canonical(state)
-    return float(_reference_loss(params, tokens, trainer.cfg))
+    return float(_reference_loss(params, tokens, trainer.cfg, trainer.mesh))
 
 
 def validation_loss(trainer: Trainer, state: TrainState, data, batches: int) -> float:
@@ -182,7 +166,7 @@ def validation_loss(trainer: Trainer, state: TrainState, data, batches: int) -> 
     total = 0.0
     for k in range(batches):
         read = functools.partial(data.validation_batch, k, batch_size=trainer.batch_size, seq_len=trainer.seq_len)
-        total += float(_reference_loss(params, global_batch(trainer, read), trainer.cfg))
+        total += float(_reference_loss(params, global_batch(trainer, read), trainer.cfg, trainer.mesh))
     return total / batches
 
 

@@ -5,6 +5,10 @@
     state = trainer.init(jax.random.key(0))
     state, metrics = trainer.step(state, tokens)     # tokens int[B, T+1]; metrics: loss, norm, lr
 
+The tokens enter split by rows over the batch axes (`Trainer.token_sharding`, from
+`batch_pspecs`): each device (each process) holds only its rows, and the step cuts its
+inputs and targets from them without a collective.
+
 Inside the one shard_map, on every device:
   1. the pipeline program over pp (`pipeline.runtime.local`: any schedule), whose stages
      are the composed blocks of `model.py` (TP/SP over tp, ring or Ulysses over cp, the
@@ -129,18 +133,17 @@ class Trainer:
         layer_pspecs, first_pspecs, last_pspecs = model_lib.stage_pspecs(cfg, spec)
         shapes = model_lib.split(jax.eval_shape(lambda: reference.init_params(jax.random.key(0), cfg, self.dtype)))
         ids = jax.ShapeDtypeStruct((self.batch_size, self.seq_len), jnp.int32)
-        row_axes = tuple(a for a in (DP, EP) if spec.sizes[a] > 1)
-        batch_spec = P(row_axes if len(row_axes) > 1 else row_axes[0] if row_axes else None,
-                       CP if spec.cp > 1 else None)
+        token_pspec, self.batch_spec = batch_pspecs(spec)
+        # what `put`, `lower`, the loop and the validation place the tokens as
+        self.token_sharding = NamedSharding(self.mesh, token_pspec)
         self.local = runtime.local(
             self.schedule, stage_fn, shapes["blocks"], (ids, ids), mesh=self.mesh, loss_fn=loss_fn,
-            recompute=spec.recompute is True, input_grads=False, param_specs=layer_pspecs, batch_spec=batch_spec,
+            recompute=spec.recompute is True, input_grads=False, param_specs=layer_pspecs, batch_spec=self.batch_spec,
             first_fn=first_fn, first_params=shapes["first"], first_specs=first_pspecs, last_params=shapes["last"],
             last_specs=last_pspecs, layers_per_stage=spec.layers_per_stage if spec.pp > 1 else None)
         # the stage layout's padding with uneven stages (None: even, no padding)
         self.layers_per_stage = self.local.request.layers_per_stage if self.local.request.uneven else None
         req = self.local.request
-        self.batch_spec = req.in_spec
         # over pp of one device the program's values still vary over pp (a psum over a group
         # of one would stay in the program): their specs name pp, which splits nothing
         unit = (lambda s: _with_unit(s)) if spec.pp == 1 else (lambda s: s)
@@ -201,11 +204,14 @@ class Trainer:
                                                                                  lr=lr)
 
         metric_specs = dict(loss=self.metric_spec, norm=self.metric_spec, lr=P())
-        sharded = jax.shard_map(per_device, mesh=self.mesh, in_specs=(self.state_specs, req.in_spec, req.target_spec),
+        sharded = jax.shard_map(per_device, mesh=self.mesh, in_specs=(self.state_specs, self.batch_spec,
+                                                                      self.batch_spec),
                                 out_specs=(self.state_specs, metric_specs))
         spec = self.spec
 
         def step(state, tokens):
+            # tokens int[B_(dp ep), T+1] as `token_sharding` splits them: each device cuts
+            # its rows' inputs and targets [B_(dp ep), T_cp] locally (no collective)
             inputs, targets = model_lib.to_layout(tokens, spec)
             state, metrics = sharded(state, inputs, targets)
             return state, {**metrics, "loss": metrics["loss"][0], "norm": metrics["norm"][0]}
@@ -321,8 +327,9 @@ class Trainer:
         return optax.tree_map_params(self.tx, fn, opt, kinds, transform_non_params=lambda a: a)
 
     def put(self, tokens) -> jax.Array:
-        """A host batch int[B, T+1] as a global array on the mesh (every process passes the
-        same batch; each device gets its part)."""
+        """A host batch int[B, T+1] as the global array the step takes, split by rows
+        (`token_sharding`): every process passes the same batch, each device gets only its
+        rows (`loop.global_batch` builds it from each process's own rows instead)."""
         tokens = np.asarray(tokens)
         if tokens.shape != (self.batch_size, self.seq_len + 1) or tokens.dtype.kind not in "iu":
             raise ConfigError(f"tokens {tokens.shape} {tokens.dtype}: this trainer takes int[batch_size="
@@ -331,7 +338,7 @@ class Trainer:
             raise ConfigError(f"token ids in [{tokens.min()}, {tokens.max()}]: they must lie in [0, vocab="
                               f"{self.cfg.vocab})")
         tokens = tokens.astype(np.int32)
-        return jax.make_array_from_callback(tokens.shape, NamedSharding(self.mesh, P()), lambda i: tokens[i])
+        return jax.make_array_from_callback(tokens.shape, self.token_sharding, lambda i: tokens[i])
 
     @property
     def compiled(self):
@@ -341,22 +348,34 @@ class Trainer:
         return self._cache["compiled"]
 
     def step(self, state: TrainState, tokens) -> tuple[TrainState, dict]:
-        """One step on tokens int[B, T+1] (host data, or `put`'s array). The state is
-        donated: use the returned one."""
-        if not (isinstance(tokens, jax.Array) and tokens.sharding == NamedSharding(self.mesh, P())):
+        """One step on tokens int[B, T+1] (host data, or an int32 array laid out as
+        `token_sharding`: `put`'s, `loop.global_batch`'s). The state is donated: use the
+        returned one."""
+        if not (isinstance(tokens, jax.Array) and tokens.sharding == self.token_sharding
+                and tokens.dtype == jnp.int32):
             tokens = self.put(tokens)
         return self.compiled(state, tokens)
 
     def lower(self, state: TrainState | None = None):
         state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                              self.abstract_state(), self.shardings) if state is None else state
-        tokens = jax.ShapeDtypeStruct((self.batch_size, self.seq_len + 1), jnp.int32,
-                                      sharding=NamedSharding(self.mesh, P()))
+        tokens = jax.ShapeDtypeStruct((self.batch_size, self.seq_len + 1), jnp.int32, sharding=self.token_sharding)
         return self._step.lower(state, tokens)
 
     def abstract_state(self) -> TrainState:
         return jax.eval_shape(lambda: TrainState(step=jnp.zeros((), jnp.int32), params=self.shapes,
                                                  opt=self.tx.init(self.shapes)))
+
+
+def batch_pspecs(spec: ParallelSpec) -> tuple[P, P]:
+    """The batch's pspecs, the one place they are written: (the tokens int[B_(dp ep), T+1]
+    as the step takes them, rows split over the batch axes dp and ep, each sequence
+    whole; the inputs and targets int[B_(dp ep), T_cp] the step cuts from them
+    (`model.to_layout`) and its shard_map takes, the sequence also split over cp). Only
+    axes of more than one device are named (over one, a value is whole)."""
+    axes = tuple(a for a in (DP, EP) if spec.sizes[a] > 1)
+    rows = axes if len(axes) > 1 else axes[0] if axes else None
+    return (P(rows) if rows else P()), P(rows, CP if spec.cp > 1 else None)
 
 
 def _compute_dtype(compute_dtype, dtype) -> np.dtype:

@@ -141,15 +141,16 @@ def _shard_bytes(trainer: Trainer, tree, shardings) -> tuple[int, int]:
 def test_the_state_is_twelve_bytes_per_parameter(name):
     """The compiled step's arguments are the state and the tokens: float32 master weights and
     AdamW's two moments, memory.states' mixed-precision optimizer bytes (12 per parameter of
-    the device's shard), the step and AdamW's counts, the int32 tokens. The bf16 weight copy
-    and the bf16 gradients are no argument: they live in the step's temporary memory."""
+    the device's shard), the step and AdamW's counts, the device's rows of the int32 tokens
+    (split over dp, `Trainer.token_sharding`). The bf16 weight copy and the bf16 gradients
+    are no argument: they live in the step's temporary memory."""
     trainer = _trainer(MESHES[name])
     abstract = trainer.abstract_state()
     params, _ = _shard_bytes(trainer, abstract.params, trainer.shardings.params)
     state, scalars = _shard_bytes(trainer, abstract, trainer.shardings)
     per_param = PRECISIONS["mixed"][2]
     assert per_param == 12 and state == per_param * params // 4        # params: float32, 4 bytes each
-    tokens = trainer.batch_size * (trainer.seq_len + 1) * 4
+    tokens = trainer.batch_size // trainer.spec.dp * (trainer.seq_len + 1) * 4
     assert scalars <= 16                                                # the step and AdamW's counts
     memory = trainer.compiled.memory_analysis()
     assert memory.argument_size_in_bytes == state + scalars + tokens

@@ -78,12 +78,12 @@ def test_no_progress_line_when_off_and_no_val_loss_without_eval(trainer, capsys)
     assert history.validation() == [] and set(history.row(-1)) == {"step", "loss", "grad_norm", "lr", "seconds"}
 
 
-def test_the_global_batch_is_the_corpus_batch_replicated(trainer):
+def test_the_global_batch_is_the_corpus_batch_split_by_rows(trainer):
     corpus = Corpus(vocab=CFG.vocab)
     batch = loop.global_batch(trainer, functools.partial(corpus.batch, 3, batch_size=BATCH, seq_len=T))
-    assert batch.sharding == NamedSharding(trainer.mesh, P())          # what Trainer.step takes as is
+    assert batch.sharding == trainer.token_sharding == NamedSharding(trainer.mesh, P("dp"))   # as the step takes it
+    assert {s.data.shape for s in batch.addressable_shards} == {(BATCH // 2, T + 1)}         # each device its rows
     np.testing.assert_array_equal(np.asarray(batch), corpus.batch(3, batch_size=BATCH, seq_len=T))
-    assert loop.token_sharding(trainer).spec == P("dp")                 # split by rows as the step's batch
 
 
 class _OneProcessOfTwo:

@@ -1,6 +1,7 @@
 """The composed model trained on many meshes equals the unsharded model, step by step."""
 
 import dataclasses
+import re
 
 import chex
 import jax
@@ -11,6 +12,7 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import reference
@@ -157,6 +159,37 @@ def test_bad_batches_are_refused():
         t.put(np.full((2, 5), 99, np.int32))
     with pytest.raises(ConfigError):
         OptimConfig(warmup=30, steps=20)
+
+
+# spec, cfg, the tokens' pspec, the rows each device holds of a batch of 8
+SPLIT_BY_ROWS = {
+    "dp2 tp2": (ParallelSpec(dp=2, tp=2), verify.DENSE, P("dp"), 4),
+    "dp2 ep2 tp2": (*verify.MESHES["dp2 ep2 tp2"][:2], P(("dp", "ep")), 2),
+    "dp2 cp2 tp2 zigzag": (ParallelSpec(dp=2, cp=2, tp=2, layout="zigzag"), verify.DENSE, P("dp"), 4),
+    "pp2 tp2 cp2 (no batch axis)": (*verify.MESHES["pp2 tp2 cp2"][:2], P(), 8),
+}
+# a collective's result types in the compiled program's text
+_COLLECTIVE = re.compile(r"= ([^=]*?) (?:all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)"
+                         r"(?:-start)?\(")
+
+
+@pytest.mark.parametrize("name", list(SPLIT_BY_ROWS))
+def test_the_batch_enters_the_step_split_by_rows(name):
+    """tokens int[B, T+1] split by rows over the batch axes (dp, ep), each sequence whole
+    (cp cuts it inside the step): `put` gives each device only its rows, the compiled step
+    takes them so, and none of its collectives moves token ids (the batch is not gathered
+    to be split again)."""
+    spec, cfg, pspec, rows = SPLIT_BY_ROWS[name]
+    seq = 16
+    t = Trainer(cfg, spec, verify.OPTIM, batch_size=8, seq_len=seq, devices=jax.devices()[:spec.devices])
+    assert t.token_sharding == NamedSharding(t.mesh, pspec)
+    tokens = t.put(Corpus(vocab=cfg.vocab).batch(0, batch_size=8, seq_len=seq))
+    assert tokens.sharding == t.token_sharding
+    assert {shard.data.shape for shard in tokens.addressable_shards} == {(rows, seq + 1)}
+    assert t.compiled.input_shardings[0][1].is_equivalent_to(t.token_sharding, 2)
+    moved = [tuple(int(d) for d in dims.split(",")) for result in _COLLECTIVE.findall(t.compiled.as_text())
+             for dims in re.findall(r"s32\[([\d,]+)\]", result)]
+    assert not [s for s in moved if len(s) == 2 and s[1] in (seq, seq + 1)], moved
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -216,7 +216,7 @@ def test_uneven_stages_from_the_command_line(capsys, tmp_path):
     (["--mesh", "pp=2", "--layers-per-stage", "1,x"], "--layers-per-stage '1,x': give whole layer counts"),
     (["--mesh", "pp=2", "--layers-per-stage", "1,2"], "--layers-per-stage (1, 2) sums to 3, the model has 4 layers"),
     (["--mesh", "pp=2", "--layers-per-stage", "1,1,2"], "has 3 entries for 2 model stages"),
-    (["--mesh", "pp=2,dp=2", "--zero", "3", "--layers-per-stage", "1,3"], "with --zero 3"),
+    (["--mesh", "dp=2", "--layers-per-stage", "1,3"], "with --mesh pp 1: one device runs every layer"),
 ])
 def test_bad_layer_splits_are_one_line(capsys, argv, piece):
     code, out, err = run(capsys, "train", "--steps", "2", *argv, *SMALL[:-1], "--layers", "4", "--batch", "4")

@@ -3,10 +3,12 @@ with, and ZeRO.
 
     reduce    reduce_gradients: each gradient summed over the batch axes its
               PartitionSpec does not split, once, after the backward (per shard)
-    zero      ZeRO-1: the plan (the dimension each leaf's optimizer state splits along
-              over dp), the gradients' reduce-scatter, this rank's slice of a weight, the
-              all-gather that rebuilds it; the optimizer state's PartitionSpecs
-    formulas  the bytes of the reduction and of ZeRO-1's collectives (pure Python)
+    zero      ZeRO-1/2 and ZeRO-3: the plan (the dimension each leaf splits along over
+              dp), the gradients' reduce-scatter, this rank's slice of a weight, the
+              all-gather that rebuilds it, the optimizer state's PartitionSpecs; and
+              ZeRO-3's `gathered` (a layer's weights gathered on entry, again in its
+              backward, their gradients reduce-scattered)
+    formulas  the bytes of the reduction and of ZeRO's collectives (pure Python)
     verify    against the unsharded gradient and AdamW step (`jaxpar verify dp`)
 
 >>> from jaxpar import data

@@ -9,7 +9,8 @@ MoE run on the gathered sequence).
 
 Per layer, forward (F) and backward (B; under recompute F again before B, but for the
 collective that only makes the stage's output when a stage holds one layer, see
-`stage_collectives`):
+`stage_collectives`; a split backward's W runs the backward again, and F before it under
+recompute, while its B runs none of what only the weights' gradients need):
   tp block   tensor.formulas.tp_block_collectives (TP: f and g; SP: all-gathers and
              reduce-scatters; the replicated KV heads' gradient when tp > K), at b rows
              of T/cp tokens; the MoE enters and leaves the tp region as the MLP does;
@@ -89,6 +90,24 @@ def layer_collectives(*, cfg, spec, batch_size: int, seq_len: int, dtype, backwa
         if backward and tp > 1 and ep_formulas.router_learns(cfg):
             item = np.dtype(dtype).itemsize
             out = out + Collectives({"all-reduce": (0, cfg.d_model * cfg.n_experts * item)})
+    return out
+
+
+def _weight_only(*, cfg, spec, batch_size: int, seq_len: int, dtype) -> Collectives:
+    """What one layer's backward runs only for its weights' gradients (a split backward's
+    B, which keeps none, runs none of it): SP's gains' gradient all-reduce over tp, and
+    the bytes merged into another tp all-reduce, the replicated KV heads' and the
+    router's gradients."""
+    item, tp = np.dtype(dtype).itemsize, spec.tp
+    out = Collectives({})
+    if tp == 1:
+        return out
+    if spec.sequence_parallel:
+        out = out + Collectives({"all-reduce": (1, 2 * cfg.d_model * item)})
+    if cfg.n_kv_heads % tp:
+        out = out + Collectives({"all-reduce": (0, 2 * cfg.d_model * cfg.n_kv_heads * cfg.head_dim * item)})
+    if cfg.n_experts and ep_formulas.router_learns(cfg):
+        out = out + Collectives({"all-reduce": (0, cfg.d_model * cfg.n_experts * item)})
     return out
 
 
@@ -193,7 +212,13 @@ def stage_collectives(*, cfg, spec, batch_size: int, seq_len: int, dtype, runs: 
         depth = cfg.n_layers // (spec.pp * spec.resolved_chunks)
     kw = dict(cfg=cfg, spec=spec, batch_size=batch_size, seq_len=seq_len, dtype=dtype)
     fwd, bwd = layer_collectives(**kw), layer_collectives(**kw, backward=True)
-    total = _times(fwd, depth * runs["pipeline_F"]) + _times(bwd, depth * runs["pipeline_B"])
+    # a split backward's W runs each layer's pullback as B does (dL/dW needs the output
+    # gradient through the whole layer), so its collectives too; B, which keeps no weight
+    # gradient, then runs none of those that only a weight gradient needs (`_weight_only`)
+    pullbacks = runs["pipeline_B"] + runs["pipeline_W"]
+    total = _times(fwd, depth * runs["pipeline_F"]) + _times(bwd, depth * pullbacks)
+    if runs["pipeline_W"]:
+        total = total + _times(_weight_only(**kw), -depth * runs["pipeline_B"])
     # one layer under its own jax.checkpoint: a one-layer stage, or every layer of the
     # one-stage program (pipeline.direct checkpoints layer by layer). Uneven stages are all
     # laid out as the deepest (padded, the padding skipped): a one-layer stage among them
@@ -204,7 +229,7 @@ def stage_collectives(*, cfg, spec, batch_size: int, seq_len: int, dtype, runs: 
         again = _times(fwd, depth)
         if alone:
             again = again + _times(_output_only(**kw) + _shared_hops(**kw), -depth)
-        total = total + _times(again, runs["pipeline_B"])
+        total = total + _times(again, pullbacks)        # B and W each rerun the forward first
     elif spec.pp == 1:
         total = total + _times(_shared_hops(**kw), -depth * runs["pipeline_B"])
     if spec.pp == 1:
@@ -214,7 +239,7 @@ def stage_collectives(*, cfg, spec, batch_size: int, seq_len: int, dtype, runs: 
         # or under recompute B's rerun (F then keeps only the stage's input)
         balance = ep_formulas.balance_collectives(cfg=cfg, batch_size=_rows(spec, batch_size), seq_len=seq_len,
                                                   dtype=dtype, cp=spec.cp)
-        total = total + _times(balance, depth * runs["pipeline_B" if spec.recompute is True else "pipeline_F"])
+        total = total + _times(balance, depth * (pullbacks if spec.recompute is True else runs["pipeline_F"]))
     total = total + _times(embedding(**kw), runs["pipeline_first"])
     total = total + _times(embedding(**kw, backward=True), runs["pipeline_first_backward"])
     return total + _times(head(**kw), runs["pipeline_loss"])

@@ -253,7 +253,11 @@ def collectives(trainer, compiled) -> dict:
     # the step's own: split back into the psums they were, each counted where it was
     # written (train.formulas counts them so)
     hlo = compiled.as_text()
-    ops = comms.resolve(comms.collective_ops_from_hlo(hlo, split_combined=trainer.spec.pp == 1), plan.runs())
+    # every branch of the pipeline's lane switch, each op counted by its own lane's runs:
+    # the heaviest branch per kind alone would hide W's collectives behind B's, and ZeRO-3's
+    # reduce-scatters sit in B (the embedding's) and in W (the layers')
+    ops = comms.resolve(comms.collective_ops_from_hlo(hlo, split_combined=trainer.spec.pp == 1, every_branch=True),
+                        plan.runs())
     # a collective over a group of one device (the vocab-parallel ops over tp = 1: XLA keeps
     # them) moves nothing, and no formula counts it
     ops = [o for o in ops if o.group_size > 1]
@@ -272,11 +276,7 @@ def collectives(trainer, compiled) -> dict:
     zero = {k: sum(o.bytes for o in once if o.kind == k) for k in ("reduce-scatter", "all-gather")}
     zero_ranks = expected_ranks = None
     if spec.zero == 3:            # inside the layers, per pp rank (and summed: `zero`)
-        # ZeRO-3's ops of every branch of the lane switch, each counted by its own lane's
-        # runs: under a split backward its reduce-scatters sit in B (the embedding's) and in
-        # W (the layers'), and the heaviest branch alone would hide one
-        every = [o for o in comms.collective_ops_from_hlo(hlo, every_branch=True) if o.group_size > 1]
-        zero_ranks, expected_ranks = zero3_by_rank(trainer, every), expected_zero3_by_rank(trainer)
+        zero_ranks, expected_ranks = zero3_by_rank(trainer, ops), expected_zero3_by_rank(trainer)
         zero = _sum_ranks(zero_ranks)
     stages = {d: stage_collectives(trainer, ops, d) for d in range(spec.pp)}
     return {"sends": sends, "expected_sends": expected_sends, "reductions": reductions,

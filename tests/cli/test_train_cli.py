@@ -124,6 +124,9 @@ def test_ctrl_c_mid_run_is_one_line_and_closes_the_checkpoints_after_their_save(
     (["--mesh", "dp=2", "--checkpoint", "/dev/null/ckpt"], "lies under '/dev/null', a file"),
     (["--mesh", "dp=2", "--log", "/"], "--log '/' is a directory, not a file"),
     (["--mesh", "dp=2", "--log", "/no-such-jaxpar-dir/steps.jsonl"], "'/no-such-jaxpar-dir' does not exist"),
+    (["--mesh", "dp=2", "--attention-kernel", "flash"], "--attention-kernel 'flash': use one of 'auto', 'xla', 'cudnn'"),
+    # cuDNN where it cannot run: on this CPU run, the platform; on a GPU, float32 layers
+    (["--mesh", "dp=2", "--attention-kernel", "cudnn"], "--attention-kernel 'cudnn' cannot run here"),
 ])
 def test_bad_input_is_one_line(capsys, argv, piece):
     code, out, err = run(capsys, "train", "--steps", "2", *argv, *SMALL[:-1], "--layers", "4", "--batch", "4")

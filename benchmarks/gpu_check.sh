@@ -6,8 +6,10 @@
 #
 #   JAXPAR_COMMIT=$(git rev-parse --short HEAD) benchmarks/gpu_check.sh [tour] [tests] [bench] [torch]
 #
-# With no argument every part runs. The tour and the tests share the GPU without
-# preallocating; the benchmarks run alone, afterwards. BENCH_ARGS adds to benchmarks.gpu's.
+# With no argument every part runs, one after the other. The tour runs as `jaxpar verify
+# NAME` check by check (CHECK_S seconds each at most), appending to $OUT/tour.txt, so a
+# call cut short keeps what finished; the tests and the tour do not preallocate the GPU.
+# BENCH_ARGS adds to benchmarks.gpu's (e.g. --only 1B-T8192,1B-T32768-dots).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -17,19 +19,20 @@ has() { [[ " $parts " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 
-if has tour || has tests; then
-  if has tour; then
-    ( XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TOUR_S:-170} python3 -m jaxpar tour > "$OUT/tour.txt" 2>&1
-      echo "tour exit $?" >> "$OUT/tour.txt" ) &
-  fi
-  if has tests; then
-    ( XLA_PYTHON_CLIENT_PREALLOCATE=false JAXPAR_TEST_PLATFORM=gpu timeout ${TESTS_S:-170} \
-        python3 -m pytest -q -p no:cacheprovider -rs tests/kernels tests/gpu > "$OUT/tests.txt" 2>&1
-      echo "tests exit $?" >> "$OUT/tests.txt" ) &
-  fi
-  wait
-  has tests && tail -25 "$OUT/tests.txt"
-  has tour && grep -E " NO | skip |tour exit|^technique" "$OUT/tour.txt" | cut -c1-220 && tail -3 "$OUT/tour.txt" | cut -c1-300
+if has tour; then      # check by check, appended to one file: a run cut short keeps every finished check
+  : > "$OUT/tour.txt"
+  for c in $(python3 -c "from jaxpar.cli.tour import CHECKS; print(' '.join(CHECKS))"); do
+    s=$(date +%s)
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${CHECK_S:-120} python3 -m jaxpar verify "$c" >> "$OUT/tour.txt" 2>&1
+    rc=$?; echo "== $c exit $rc in $(( $(date +%s) - s )) s" >> "$OUT/tour.txt"
+    echo "$c exit $rc in $(( $(date +%s) - s )) s"
+  done
+  grep -E " NO |Error" "$OUT/tour.txt" | cut -c1-220
+fi
+if has tests; then
+  XLA_PYTHON_CLIENT_PREALLOCATE=false JAXPAR_TEST_PLATFORM=gpu timeout ${TESTS_S:-170} \
+      python3 -m pytest -q -p no:cacheprovider -rs tests/kernels tests/gpu > "$OUT/tests.txt" 2>&1
+  echo "tests exit $?" >> "$OUT/tests.txt"; tail -25 "$OUT/tests.txt"
 fi
 if has bench; then
   timeout ${BENCH_S:-200} python3 -m benchmarks.gpu --quick --out "$OUT" ${BENCH_ARGS:-} 2>&1 | grep -v "^W0000\|^I0000" | cut -c1-200

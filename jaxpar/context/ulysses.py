@@ -126,34 +126,15 @@ def ulysses_attention_shard(q, k, v, *, axis=CP, causal: bool = True, layout: st
 
 
 def hybrid_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "contiguous", ring_axis: str | None = CP,
-                     ulysses_axis: str | None = UCP, permute: bool = True, chunk: int = CHUNK, kernel: str = "xla"):
+                     ulysses_axis: str | None = UCP, permute: bool = True, chunk: int = CHUNK):
     """2-D context parallelism on global arrays q [B, T, N, H], k and v [B, T, K, H]:
     Ulysses over `ulysses_axis` inside, ring attention over `ring_axis` outside; equal
     to reference.attention(q, k, v, causal=causal). Batch over dp and heads over tp
     where the mesh has them. permute as in ring_attention (natural order in and out);
     permute=False takes and returns the sequence in `layout` order over the ring's cp,
-    or over the Ulysses devices when ring_axis is None (zigzag.to_layout). kernel: as
-    in hybrid_attention_shard; "cudnn" is refused (ConfigError) where it cannot run."""
-    errors.flag("permute", permute)
-    errors.one_of("kernel", kernel, IMPLEMENTATIONS)
-    chunk = check_options(causal=causal, layout=layout, chunk=chunk)
-    B, T, N, K, H = check_qkv(q, k, v, needed_by="hybrid_attention")
-    axes = tuple(a for a in (ring_axis, ulysses_axis) if a is not None)
-    if not axes:
-        raise ConfigError("hybrid_attention needs ring_axis, ulysses_axis or both: give the mesh axis names")
-    spec = specs(mesh, seq_axes=axes, n_heads=N, n_kv_heads=K, batch_size=B, needed_by="hybrid_attention")
-    tp = mesh_lib.axis_size(mesh, mesh_lib.TP)
-    u = mesh_lib.axis_size(mesh, ulysses_axis) if ulysses_axis else 1
-    cp = mesh_lib.axis_size(mesh, ring_axis) if ring_axis else 1
-    if u > 1:
-        kv_heads_sent(N // tp, K // tp, u, axis=ulysses_axis)
-    mesh_lib.require_divisible("seq_len", T, mesh, axes, why="each device holds seq_len/(cp*u) tokens")
-    zigzag.check_sequence(T, cp if ring_axis else u, layout)
-    if ring_axis is None:       # before compiling: the kernel asked for can run these inputs
-        choose(kernel, dtype=q.dtype, head_dim=H, platform=mesh.devices.flat[0].platform)
-    shard = functools.partial(attend_hybrid, ulysses_axis=ulysses_axis if u > 1 else None, ring_axis=ring_axis,
-                              causal=causal, layout=layout, relayout=permute, chunk=chunk, kernel=kernel)
-    return jax.shard_map(shard, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
+    or over the Ulysses devices when ring_axis is None (zigzag.to_layout)."""
+    return _global_attention(q, k, v, mesh=mesh, causal=causal, layout=layout, axes=(ring_axis, ulysses_axis),
+                             permute=permute, chunk=chunk, kernel="xla")
 
 
 def ulysses_attention(q, k, v, *, mesh, causal: bool = True, axis: str = CP, layout: str = "contiguous",
@@ -161,6 +142,33 @@ def ulysses_attention(q, k, v, *, mesh, causal: bool = True, axis: str = CP, lay
     """Ulysses on global arrays over `axis` (cp): equal to reference.attention. layout:
     the order of the sequence in and out (zigzag: zigzag.to_layout over the cp devices,
     as a composed model holds its tokens; the causal mask follows it). kernel: the
-    whole-sequence attention on each device (hybrid_attention_shard)."""
-    return hybrid_attention(q, k, v, mesh=mesh, causal=causal, ring_axis=None, ulysses_axis=axis, layout=layout,
-                            permute=False, chunk=chunk, kernel=kernel)
+    whole-sequence attention on each device (hybrid_attention_shard); "cudnn" is refused
+    (ConfigError) where it cannot run."""
+    return _global_attention(q, k, v, mesh=mesh, causal=causal, layout=layout, axes=(None, axis), permute=False,
+                             chunk=chunk, kernel=kernel)
+
+
+def _global_attention(q, k, v, *, mesh, causal: bool, layout: str, axes: tuple, permute: bool, chunk: int,
+                      kernel: str):
+    """hybrid_attention and ulysses_attention: axes = (ring_axis, ulysses_axis), either None."""
+    ring_axis, ulysses_axis = axes
+    errors.flag("permute", permute)
+    errors.one_of("kernel", kernel, IMPLEMENTATIONS)
+    chunk = check_options(causal=causal, layout=layout, chunk=chunk)
+    B, T, N, K, H = check_qkv(q, k, v, needed_by="hybrid_attention")
+    seq_axes = tuple(a for a in axes if a is not None)
+    if not seq_axes:
+        raise ConfigError("hybrid_attention needs ring_axis, ulysses_axis or both: give the mesh axis names")
+    spec = specs(mesh, seq_axes=seq_axes, n_heads=N, n_kv_heads=K, batch_size=B, needed_by="hybrid_attention")
+    tp = mesh_lib.axis_size(mesh, mesh_lib.TP)
+    u = mesh_lib.axis_size(mesh, ulysses_axis) if ulysses_axis else 1
+    cp = mesh_lib.axis_size(mesh, ring_axis) if ring_axis else 1
+    if u > 1:
+        kv_heads_sent(N // tp, K // tp, u, axis=ulysses_axis)
+    mesh_lib.require_divisible("seq_len", T, mesh, seq_axes, why="each device holds seq_len/(cp*u) tokens")
+    zigzag.check_sequence(T, cp if ring_axis else u, layout)
+    if ring_axis is None:       # before compiling: the kernel asked for can run these inputs
+        choose(kernel, dtype=q.dtype, head_dim=H, platform=mesh.devices.flat[0].platform)
+    shard = functools.partial(attend_hybrid, ulysses_axis=ulysses_axis if u > 1 else None, ring_axis=ring_axis,
+                              causal=causal, layout=layout, relayout=permute, chunk=chunk, kernel=kernel)
+    return jax.shard_map(shard, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)

@@ -91,11 +91,16 @@ def speed_rows(tokens: int = 4096) -> list[dict]:
     outs = {name: fn(*args) for name, fn in fns.items()}
     diff = max_abs_diff(*outs.values())
     times = alternated(fns, args, REPEATS)
-    ours = times["jaxpar all-to-all"]
-    return [{"row": "speed", "E": 8, "tokens/device": tokens, "program": name,
-             "fwd+bwd s": round(statistics.median(ts), 3),
-             "this / jaxpar": round(statistics.median(ts) / statistics.median(ours), 2),
-             "best ratio": round(min(ts) / min(ours), 2), "max diff between them": f"{diff:.1e}"}
+    return _timed_rows(times, "jaxpar all-to-all", diff, {"row": "speed", "E": 8, "tokens/device": tokens},
+                       ratio="this / jaxpar")
+
+
+def _timed_rows(times: dict, base: str, diff: float, fields: dict, *, ratio: str) -> list[dict]:
+    """One row per program: its median seconds, median and best against `base`'s."""
+    ref = times[base]
+    return [{**fields, "program": name, "fwd+bwd s": round(statistics.median(ts), 3),
+             ratio: round(statistics.median(ts) / statistics.median(ref), 2),
+             "best ratio": round(min(ts) / min(ref), 2), "max diff between them": f"{diff:.1e}"}
             for name, ts in times.items()]
 
 
@@ -123,12 +128,7 @@ def grouped_rows(tokens: int = 4096) -> list[dict]:
            for name, g in (("grouped", True), ("padded", False))}
     diff = max_abs_diff(*(fn(*args) for fn in fns.values()))
     times = alternated(fns, args, REPEATS)
-    padded = times["padded"]
-    return [{"row": "grouped", "E": 8, "tokens": tokens, "program": name,
-             "fwd+bwd s": round(statistics.median(ts), 3),
-             "this / padded": round(statistics.median(ts) / statistics.median(padded), 2),
-             "best ratio": round(min(ts) / min(padded), 2), "max diff between them": f"{diff:.1e}"}
-            for name, ts in times.items()]
+    return _timed_rows(times, "padded", diff, {"row": "grouped", "E": 8, "tokens": tokens}, ratio="this / padded")
 
 
 def run() -> list[dict]:

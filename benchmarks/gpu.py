@@ -78,9 +78,9 @@ def _batches(cfg, batch_size: int, seq_len: int, n: int) -> list[np.ndarray]:
     return [corpus.batch(i, batch_size=batch_size, seq_len=seq_len) for i in range(n)]
 
 
-def _peak_bytes() -> int | None:
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
+def _peak_gib() -> float | None:
+    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    return None if peak is None else round(peak / 2**30, 2)
 
 
 def measure(name: str, *, steps: int, kernel: str = "auto", profile_dir: str | None = None) -> dict:
@@ -122,7 +122,7 @@ def measure(name: str, *, steps: int, kernel: str = "auto", profile_dir: str | N
             "params": int(sum(np.prod(a.shape) for a in jax.tree.leaves(trainer.shapes))),
             "matmul_params": throughput.matmul_params(cfg), "footprint_gib": round(footprint / 2**30, 2),
             "temp_gib": round(mem.temp_size_in_bytes / 2**30, 2),
-            "peak_gib": None if _peak_bytes() is None else round(_peak_bytes() / 2**30, 2),
+            "peak_gib": _peak_gib(),
             "losses": [float(x) for x in losses]}
 
 

@@ -257,7 +257,7 @@ def run_jaxpar(size: Size, params: dict, batches: list, optim: OptimConfig, mixe
         nonlocal state
         state, metrics = trainer.step(state, tokens)
         return float(metrics["loss"])              # waits for the step (block_until_ready)
-    return timed(step, [trainer.put(b) for b in batches])._replace(attention=getattr(trainer, "kernel", "xla"))
+    return timed(step, [trainer.put(b) for b in batches])._replace(attention=trainer.kernel)
 
 
 def _guarded(fn, *args) -> Side | str:

@@ -256,7 +256,9 @@ def main(args) -> int:
     compute = compute_dtype(args.dtype)
     from jaxpar import errors
 
-    errors.one_of("attention_kernel", args.attention_kernel, ("auto", "xla", "cudnn"))
+    from jaxpar.kernels.attention import IMPLEMENTATIONS
+
+    errors.one_of("attention_kernel", args.attention_kernel, IMPLEMENTATIONS)
 
     if args.checkpoint is not None:
         errors.writable_path("directory", args.checkpoint, directory=True)

@@ -63,13 +63,17 @@ def _out_and_grads(fn, q, k, v, do):
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_entry_point_equals_the_reference_on_this_backend(causal):
     """float32 through the entry point ("auto": the XLA path on CPU and for float32 on a
-    GPU), against reference.attention under the precision policy: outputs and dq, dk, dv."""
+    GPU), against reference.attention under the precision policy (outputs and dq, dk, dv),
+    and against an implementation that shares no code with it, jax.nn's XLA attention."""
     (q, k, v), do = _qkv(jax.random.key(0))
     with precision_policy():
         got = _out_and_grads(functools.partial(kernel.attention, causal=causal), q, k, v, do)
         want = _out_and_grads(functools.partial(reference.attention, causal=causal), q, k, v, do)
-    for g, w in zip(got, want):
+        other = _out_and_grads(functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                                 implementation="xla"), q, k, v, do)
+    for g, w, o in zip(got, want, other):
         assert_close(g, w)
+        assert_close(g, o)
 
 
 @needs_gpu

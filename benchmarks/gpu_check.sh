@@ -4,12 +4,15 @@
 # the repository root on the GPU machine, with its own python3 (jax, flax, optax, orbax,
 # torch installed) and jaxpar from the source tree:
 #
-#   JAXPAR_COMMIT=$(git rev-parse --short HEAD) benchmarks/gpu_check.sh [tour] [tests] [bench] [torch]
+#   JAXPAR_COMMIT=$(git rev-parse --short HEAD) benchmarks/gpu_check.sh [tour] [checks] [tests] [bench] [torch]
 #
-# With no argument every part runs, one after the other. The tour runs as `jaxpar verify
-# NAME` check by check (CHECK_S seconds each at most), appending to $OUT/tour.txt, so a
-# call cut short keeps what finished; the tests and the tour do not preallocate the GPU.
-# BENCH_ARGS adds to benchmarks.gpu's (e.g. --only 1B-T8192,1B-T32768-dots).
+# With no argument tour, tests, bench and torch run, one after the other. `tour` is
+# `python -m jaxpar tour` in one call (TOUR_S seconds at most), its exit status last in
+# $OUT/tour.txt; `checks` runs the same checks as `jaxpar verify NAME` one by one (CHECK_S
+# seconds each), appending to $OUT/checks.txt, so a call cut short keeps what finished. The
+# tests, the tour and the checks do not preallocate the GPU, so the tour can run beside the
+# benchmark. BENCH_ARGS adds to benchmarks.gpu's (e.g. --only 1B-T8192,1B-T32768-dots),
+# TORCH_ARGS to benchmarks.torch_peer's (e.g. --size 1B).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -19,15 +22,19 @@ has() { [[ " $parts " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 
-if has tour; then      # check by check, appended to one file: a run cut short keeps every finished check
-  : > "$OUT/tour.txt"
+if has tour; then      # the whole tour, one process, as a user runs it
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TOUR_S:-300} python3 -m jaxpar tour > "$OUT/tour.txt" 2>&1
+  rc=$?; echo "== jaxpar tour exit $rc" >> "$OUT/tour.txt"; grep -E " NO |Error|exit" "$OUT/tour.txt" | cut -c1-220
+fi
+if has checks; then    # check by check, appended to one file: a run cut short keeps every finished check
+  : > "$OUT/checks.txt"
   for c in $(python3 -c "from jaxpar.cli.tour import CHECKS; print(' '.join(CHECKS))"); do
     s=$(date +%s)
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${CHECK_S:-120} python3 -m jaxpar verify "$c" >> "$OUT/tour.txt" 2>&1
-    rc=$?; echo "== $c exit $rc in $(( $(date +%s) - s )) s" >> "$OUT/tour.txt"
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${CHECK_S:-120} python3 -m jaxpar verify "$c" >> "$OUT/checks.txt" 2>&1
+    rc=$?; echo "== $c exit $rc in $(( $(date +%s) - s )) s" >> "$OUT/checks.txt"
     echo "$c exit $rc in $(( $(date +%s) - s )) s"
   done
-  grep -E " NO |Error" "$OUT/tour.txt" | cut -c1-220
+  grep -E " NO |Error" "$OUT/checks.txt" | cut -c1-220
 fi
 if has tests; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false JAXPAR_TEST_PLATFORM=gpu timeout ${TESTS_S:-170} \
@@ -38,6 +45,6 @@ if has bench; then
   timeout ${BENCH_S:-200} python3 -m benchmarks.gpu --quick --out "$OUT" ${BENCH_ARGS:-} 2>&1 | grep -v "^W0000\|^I0000" | cut -c1-200
 fi
 if has torch; then
-  timeout ${TORCH_S:-200} python3 -m benchmarks.torch_peer --quick --out "$OUT" 2>&1 | tail -30 | cut -c1-200
+  timeout ${TORCH_S:-200} python3 -m benchmarks.torch_peer --quick --out "$OUT" ${TORCH_ARGS:-} 2>&1 | tail -30 | cut -c1-200
 fi
 ls -la "$OUT"

@@ -70,13 +70,13 @@ def _dense(q, k, v):
 
 def load_peer():
     """ringattention_jax.ring_attention, or None when the package is not installed."""
-    spec = importlib.util.find_spec("ringattention")
-    if spec is None or not spec.submodule_search_locations:
+    package = importlib.util.find_spec("ringattention")
+    if package is None or not package.submodule_search_locations:
         return None
-    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "ringattention_jax.py"
-    module_spec = importlib.util.spec_from_file_location("ringattention_jax", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    path = pathlib.Path(list(package.submodule_search_locations)[0]) / "ringattention_jax.py"
+    found = importlib.util.spec_from_file_location("ringattention_jax", path)
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
     return module.ring_attention
 
 
@@ -85,8 +85,8 @@ def _peer(m, peer_fn, T, chunk):
                   query_chunk_size=min(chunk, T // CP), key_chunk_size=min(chunk, T // CP), dtype=jnp.float32,
                   policy=jax.checkpoint_policies.nothing_saveable, precision=None, prevent_cse=True)
     shard = lambda q, k, v: peer_fn(q, k, v, None, None, None, mesh.CP, True, kwargs)
-    spec = P(None, mesh.CP, None, None)
-    return jax.shard_map(shard, mesh=m, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    pspec = P(None, mesh.CP, None, None)
+    return jax.shard_map(shard, mesh=m, in_specs=(pspec,) * 3, out_specs=pspec, check_vma=False)
 
 
 def memory_rows() -> list[dict]:

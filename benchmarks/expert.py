@@ -69,9 +69,9 @@ def gshard_shard(p, x, *, top_k, capacity_factor, axis=mesh.EP):
 def _programs(cfg, m, tokens):
     p, x, dy = moe_inputs(cfg, EP, tokens, skew=0.5)
     ours = lambda p, x: dispatch.ep_moe(p, x, mesh=m, cfg=cfg, capacity_factor=CF)[0]
-    specs = {"router": P(), "w_up": P(mesh.EP), "w_down": P(mesh.EP)}
+    pspecs = {"router": P(), "w_up": P(mesh.EP), "w_down": P(mesh.EP)}
     peer_shard = functools.partial(gshard_shard, top_k=cfg.top_k, capacity_factor=CF)
-    peer = jax.shard_map(lambda p, x: peer_shard(p, x[0])[None], mesh=m, in_specs=(specs, P(mesh.EP)),
+    peer = jax.shard_map(lambda p, x: peer_shard(p, x[0])[None], mesh=m, in_specs=(pspecs, P(mesh.EP)),
                          out_specs=P(mesh.EP))
 
     return {"jaxpar all-to-all": _step(ours), "GShard one-hot einsum": _step(peer)}, (p, x, dy)

@@ -152,10 +152,10 @@ def _peer_rows(p, x) -> list[dict]:
     if t == 1:
         return [{"figure": "fwd+bwd jaxpar vs peer", "t": 1, "sp": False,
                  "collectives": f"skipped: {len(jax.devices())} device(s) give tp=1, nothing to split"}]
-    specs = tensor.TPSpecs.megatron(n_kv_heads=CFG.n_kv_heads, tp=t, data_axis=mesh.DP if dp > 1 else None)
-    placed = {k: jax.device_put(a, NamedSharding(m, specs.params(p)[k])) for k, a in p.items()}
-    xs = jax.device_put(x, NamedSharding(m, specs.act_btd))
-    dy = jax.device_put(jnp.ones_like(x) / (x.shape[0] * T), NamedSharding(m, specs.act_btd))
+    pspecs = tensor.TPSpecs.megatron(n_kv_heads=CFG.n_kv_heads, tp=t, data_axis=mesh.DP if dp > 1 else None)
+    placed = {k: jax.device_put(a, NamedSharding(m, pspecs.params(p)[k])) for k, a in p.items()}
+    xs = jax.device_put(x, NamedSharding(m, pspecs.act_btd))
+    dy = jax.device_put(jnp.ones_like(x) / (x.shape[0] * T), NamedSharding(m, pspecs.act_btd))
     ours = _step(lambda p, x: tensor.tp_block(p, x, mesh=m, cfg=CFG))
     peer = _step(lambda p, x: peer_block(p, x, m=m))
     err = max(float(jnp.max(jnp.abs(a - b))) for a, b in

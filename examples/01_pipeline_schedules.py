@@ -66,7 +66,7 @@ print(f"2. p=8, m=64: GPipe first/last stage {g.peak_activations[0]}/{g.peak_act
       f"microbatches (lecture 64/64); 1F1B {f.peak_activations[0]}/{f.peak_activations[-1]} (lecture 8/1)\n")
 
 # 2.5: interleaved 1F1B (Narayanan et al. 2021), zero bubble (Qi et al. 2023), DualPipe-V.
-print("== 2.5 Interleaved 1F1B: v chunks per device ==\n")
+print("== 2.5 Interleaved 1F1B: several chunks per device ==\n")
 ref = schedule.make("1f1b", 4, 8)
 s = show("interleaved", chunks=2)
 print(f"  bubble {percent(s.bubble_fraction)} = (p-1)/(v*m+p-1) = {percent(bubble('interleaved', 4, 8, 2))} "

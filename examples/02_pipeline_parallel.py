@@ -52,7 +52,7 @@ def demo_every_schedule(p=4):
     print(f"  {'schedule':<12} {'m':>2}  collective-permutes carrying sends  residual slots / peak in flight")
     for name in ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "dualpipe-v"):
         pl = plan.plan(schedule.make(name, p, p if name == "naive" else 8))    # pure Python: nothing compiled
-        print(f"  {name:<12} {pl.schedule.microbatches:>2}  {pl.permutes:>3} carrying all {pl.transfers:<3} sends "
+        print(f"  {name:<12} {pl.schedule.microbatches:>2}  {pl.permutes:>3} carrying all {pl.n_sends:<3} sends "
               f"{'':11}{pl.n_res} / {max(pl.schedule.peak_in_flight)}")
     m8 = mesh.make_mesh(dp=dp, pp=p, devices=jax.devices()[:dp * p])
     params, batch = stage.mlp_params(8, 32), stage.mlp_batch(32, 32)    # the lecture MLP at width 32

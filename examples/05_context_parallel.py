@@ -42,7 +42,7 @@ kw = dict(cfg=cfg, batch_size=B, seq_len=T, dtype=jnp.float32, dp=dp)
 # tokens in zigzag order, as a data loader delivers them: rank i holds chunks i and 2cp-1-i of 2cp
 into, back = (partial(f, cp=cp, layout="zigzag") for f in (zigzag.to_layout, zigzag.from_layout))
 natural = lambda tree: jax.tree.map(lambda a: back(np.asarray(a)), tree)   # back to natural order, on the host
-ring = partial(context.ring_attention, mesh=m, causal=True, layout="zigzag", permute=False)
+ring = partial(context.ring_attention, mesh=m, causal=True, layout="zigzag", relayout=False)
 print(f"context.ring_attention on {mesh.describe(m)}, causal, B={B} T={T} N={N} K={K} (GQA) H={H}, tokens in "
       f"zigzag order (rank i holds chunks i and {2 * cp - 1}-i of {2 * cp})")
 q, k, v, do = draw()
@@ -60,7 +60,7 @@ print(f"  f64 max |ring - full| over out, dQ, dK, dV {err64:.1e} (lecture 1.1e-1
 for part, got in (("forward", fwd), ("backward", bwd)):
     want = context.ring_collectives(**kw, cp=cp, layout="zigzag", backward=part == "backward")
     print(f"  {part:8s}: {comms.format_stats(got)}  {'= formula' if got == want else '!= formula'}")
-print(f"  forward: cp-1 = {cp - 1} K/V permutes; backward: cp-1 K/V + cp dK/dV (permute=True takes natural "
+print(f"  forward: cp-1 = {cp - 1} K/V permutes; backward: cp-1 K/V + cp dK/dV (relayout=True takes natural "
       "order and adds 6 to reorder in and out)")
 
 ex = verify.exercise_6()

@@ -92,9 +92,9 @@ if __name__ == "__main__":
         print(f"  ConfigError: {e}")
     print("\n== demo 2: an MoE model as flax NNX parameters; flax's get_partition_spec reads their layout ==")
     model = LanguageModel(dataclasses.replace(CFG, n_experts=4, top_k=2))
-    specs, params = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model))), model.params()
+    pspecs, params = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model))), model.params()
     for name in ("wq", "wo", "router", "w_up", "w_down"):
-        print(f"  blocks.{name:<6} {str(params['blocks'][name].shape):<16} {specs['blocks'][name]}")
+        print(f"  blocks.{name:<6} {str(params['blocks'][name].shape):<16} {pspecs['blocks'][name]}")
     with tempfile.TemporaryDirectory() as directory:
         demo_checkpoint(trainer, state, directory)
     demo_memory()

@@ -1,6 +1,6 @@
 """Devices and meshes: fake CPU devices, named mesh axes, multi-host start-up.
 
-One axis name per parallelism, used everywhere (specs, docs, CLI):
+One axis name per parallelism, used everywhere (pspecs, docs, CLI):
 
     DP  data parallel        PP  pipeline stages      CP  context (sequence) parallel
     EP  expert parallel      TP  tensor parallel (sequence parallelism runs on TP too)

@@ -58,7 +58,7 @@ def check_dependencies(s: S.Schedule) -> None:
 # chunks of one device (the V's turn) moves nothing between devices.
 
 def placement(name: str, p: int, v: int = 1) -> list[int]:
-    """The device of model stage k = 0 .. p*v-1: one stage per device (v = 1), Megatron's
+    """The device of model stage k = 0 .. p*v-1: one stage per device (chunks = 1), Megatron's
     interleaving for `interleaved` (stage k on device k mod p: chunk c of device d is
     stage c*p + d), and the V for `dualpipe-v` (down the devices, then back up)."""
     if name == "dualpipe-v":
@@ -74,7 +74,7 @@ def crossings(name: str, p: int, v: int = 1) -> list[tuple[int, int]]:
 
 
 def sends(name: str, p: int, m: int, v: int = 1) -> int:
-    """Device-to-device transfers of one step: 2 m per crossing boundary. In closed form,
+    """Device-to-device sends of one step: 2 m per crossing boundary. In closed form,
     for p >= 2: 2m(p-1) with one stage per device (W sends nothing, so ZB-H1 and ZB-H2
     send as 1F1B does); 2m(pv-1) interleaved (stage k+1 is always on the next device,
     wrapping from p-1 to 0); 2m(2p-2) for the V (2p-1 boundaries, the turn local)."""

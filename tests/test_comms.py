@@ -217,8 +217,8 @@ def test_scan_around_a_cond(m1):
 @pytest.mark.parametrize("axis, group", [("tp", 4), ("dp", 2)])
 def test_psum_over_one_axis_of_a_2d_mesh_sets_group_size_and_wire_bytes(axis, group):
     m = mesh.make_mesh(dp=2, tp=4)
-    spec = P(("dp", "tp"))
-    f = shard(lambda x: jax.lax.psum(x, axis), m, spec, spec)
+    pspec = P(("dp", "tp"))
+    f = shard(lambda x: jax.lax.psum(x, axis), m, pspec, pspec)
     (op,) = comms.collective_ops(f, x_global())
     assert (op.kind, op.group_size, op.bytes, op.executions) == ("all-reduce", group, BLOCK, 1)
     stats = comms.collective_stats(f, x_global())["all-reduce"]
@@ -228,8 +228,8 @@ def test_psum_over_one_axis_of_a_2d_mesh_sets_group_size_and_wire_bytes(axis, gr
 @needs_8
 def test_all_gather_over_tp_of_a_2d_mesh():
     m = mesh.make_mesh(dp=2, tp=4)
-    spec = P(("dp", "tp"))
-    f = shard(lambda x: jax.lax.all_gather(x, "tp", tiled=True), m, spec, spec)
+    pspec = P(("dp", "tp"))
+    f = shard(lambda x: jax.lax.all_gather(x, "tp", tiled=True), m, pspec, pspec)
     (op,) = comms.collective_ops(f, x_global())
     assert (op.kind, op.group_size, op.bytes) == ("all-gather", 4, 4 * BLOCK)
     assert op.wire_bytes == pytest.approx(3 * BLOCK)  # (n-1)/n of the gathered array

@@ -14,9 +14,10 @@
     jaxpar schedule --published                    Qi et al.'s Table 5 against jaxpar's timing
     jaxpar schedule search --published             ... and their searched ZB-1p, ZB-2p against jaxpar's search
 
-Time is in ticks of one action, peaks in live microbatches; a schedule with v > 1 chunks
-per device runs each action on one chunk, 1/v of a stage, so there ticks and peaks are
-chunk-sized and `--all` also gives them divided by v (stage units) to compare with the others.
+Time is in ticks of one action, peaks in live microbatches; a schedule with more than one
+chunk per device runs each action on one chunk, 1/chunks of a stage, so there ticks and
+peaks are chunk-sized and `--all` also gives them divided by chunks (stage units) to compare
+with the others. (Its output labels chunks v, beside p and m: `p=4, m=8, v=2`.)
 `--costs` in whole ticks (F=1,B=2) sets the table's ticks; with a fraction or comm
 (F=18.522,...,comm=0.601) the timeline stays in unit ticks, showing each device's order,
 and the figures under it are that order timed with the costs (`schedules.timing`): Qi et
@@ -72,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", nargs="?", metavar="NAME",
                         help=f"one of: {', '.join(orders.REGISTRY)}; or '{SEARCH}': search the best order under "
                              "--memory for --costs")
-    parser.add_argument("-p", "--stages", type=int, default=4, help="pipeline stages (devices) p (default 4)")
+    parser.add_argument("-p", "--pp", dest="stages", type=int, default=4,
+                        help="the pipeline size pp: the devices, the schedule's stages p (default 4)")
     parser.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches m (default 8)")
     parser.add_argument("-v", "--chunks", type=int, default=None, help=CHUNKS_HELP)
     parser.add_argument("--costs", default=None, metavar="F=1,B=2[,W=1]", help=COSTS_HELP)

@@ -11,7 +11,7 @@ shard N/tp and K/tp; one K/V block = 2*b*(T/cp)*(K/tp)*H elements.
     ring     forward: cp-1 collective-permutes of one stacked K/V block.
              backward: cp-1 K/V permutes again, and cp of dK/dV (it travels with its K/V
              and takes one step home), accumulated in float32 at least.
-             permute=True under zigzag adds 6 (q, K/V and the output reordered into the
+             relayout=True under zigzag adds 6 (q, K/V and the output reordered into the
              layout and back, two halves each) forward, and 6 backward (their transposes).
              hop="all_to_all" (the ring inside a pipeline stage, collectives.ring_shift):
              each of those K/V and dK/dV hops is an all-to-all of an [cp, block] buffer
@@ -119,10 +119,10 @@ def _ulysses(loc: _Local, tokens: int, kv_sent: int) -> Collectives:
     return Collectives({"all-to-all": (4, (2 * q + 2 * kv) * loc.item)})
 
 
-def _hybrid(cfg, batch_size, seq_len, dtype, dp, cp, u, tp, layout, permute, backward, ulysses_axis,
+def _hybrid(cfg, batch_size, seq_len, dtype, dp, cp, u, tp, layout, relayout, backward, ulysses_axis,
             hop="ppermute") -> Collectives:
     loc = _local(cfg, batch_size, seq_len, dtype, dp, tp, {"cp": cp, ulysses_axis: u})
-    relayout = zigzag.check_layout(layout) == "zigzag" and errors.flag("permute", permute)
+    relayout = zigzag.check_layout(layout) == "zigzag" and errors.flag("relayout", relayout)
     errors.flag("backward", backward)
     errors.one_of("hop", hop, HOPS)
     out = Collectives()
@@ -134,17 +134,17 @@ def _hybrid(cfg, batch_size, seq_len, dtype, dp, cp, u, tp, layout, permute, bac
 
 
 def hybrid_collectives(*, cfg: HeadSizes, batch_size: int, seq_len: int, dtype, dp: int = 1, cp: int = 1,
-                       ucp: int = 1, tp: int = 1, layout: str = "contiguous", permute: bool = False,
+                       ucp: int = 1, tp: int = 1, layout: str = "contiguous", relayout: bool = False,
                        backward: bool = False) -> Collectives:
     """Ulysses over ucp inside, the ring over cp outside (ulysses.hybrid_attention)."""
-    return _hybrid(cfg, batch_size, seq_len, dtype, dp, cp, ucp, tp, layout, permute, backward, "ucp")
+    return _hybrid(cfg, batch_size, seq_len, dtype, dp, cp, ucp, tp, layout, relayout, backward, "ucp")
 
 
 def ring_collectives(*, cfg: HeadSizes, batch_size: int, seq_len: int, dtype, dp: int = 1, cp: int = 1,
-                     tp: int = 1, layout: str = "contiguous", permute: bool = False, hop: str = "ppermute",
+                     tp: int = 1, layout: str = "contiguous", relayout: bool = False, hop: str = "ppermute",
                      backward: bool = False) -> Collectives:
     """ring.ring_attention's forward or backward program (hop: how K/V move, see above)."""
-    return _hybrid(cfg, batch_size, seq_len, dtype, dp, cp, 1, tp, layout, permute, backward, "ucp", hop)
+    return _hybrid(cfg, batch_size, seq_len, dtype, dp, cp, 1, tp, layout, relayout, backward, "ucp", hop)
 
 
 def ulysses_collectives(*, cfg: HeadSizes, batch_size: int, seq_len: int, dtype, dp: int = 1, cp: int = 1,

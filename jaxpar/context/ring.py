@@ -39,11 +39,12 @@ from jaxpar import errors
 from jaxpar import mesh as mesh_lib
 from jaxpar.collectives import ring_shift
 from jaxpar.context import zigzag
-from jaxpar.context.blockwise import (acc_dtype, attend_backward_chunked, attend_chunked, attend_diagonal,
-                                      attend_diagonal_backward, check_qkv, group, heads_major, merge, ungroup)
+from jaxpar.context.blockwise import Blocks, acc_dtype, check_qkv, group, heads_major, merge, ungroup
 from jaxpar.context.formulas import HOPS
 from jaxpar.context.zigzag import DIAGONAL, EARLY_KV, FULL, LATE_Q, SKIP
 from jaxpar.errors import ConfigError
+from jaxpar.kernels import flash
+from jaxpar.kernels.attention import choose_block
 from jaxpar.mesh import CP, DP, TP
 
 # the name of the K/V buffer that travels (jax.ad_checkpoint.checkpoint_name): a remat
@@ -57,27 +58,23 @@ def _size(axis) -> int:
     return 1 if axis is None else jax.lax.axis_size(axis)
 
 
-def _attend_block(block: int, q, kv, scale, chunk):
+def _attend_block(block: int, q, kv, scale, blocks: Blocks):
     """(o, lse) of one block (its kind: zigzag.KINDS) over the queries q it covers (all or
     the late half)."""
     k, v = kv[0], kv[1]
-    t = q.shape[3]
-    run = functools.partial(attend_chunked, scale=scale, chunk=chunk)
-    if block == FULL:
-        return run(q, k, v)
-    if block == DIAGONAL:
-        return attend_diagonal(q, k, v, scale=scale, chunk=chunk)
-    c = t // 2
+    c = q.shape[3] // 2
+    if block in (FULL, DIAGONAL):
+        return blocks.forward(q, k, v, scale=scale, causal=block == DIAGONAL)
     if block == EARLY_KV:
-        return run(q, k[:, :, :c], v[:, :, :c])
-    return run(q[:, :, :, c:], k, v)          # LATE_Q
+        return blocks.forward(q, k[:, :, :c], v[:, :, :c], scale=scale, causal=False)
+    return blocks.forward(q[:, :, :, c:], k, v, scale=scale, causal=False)          # LATE_Q
 
 
-def _forward_step(block: int, q, scale, chunk, o, lse, kv):
+def _forward_step(block: int, q, scale, blocks, o, lse, kv):
     """The running (o, lse) after merging one `block` (its kind: zigzag.KINDS)."""
     if block == SKIP:
         return o, lse
-    bo, blse = _attend_block(block, q, kv, scale, chunk)
+    bo, blse = _attend_block(block, q, kv, scale, blocks)
     if block == LATE_Q:
         c = q.shape[3] // 2
         lo, llse = merge(o[:, :, :, c:], lse[..., c:], bo, blse)
@@ -85,18 +82,16 @@ def _forward_step(block: int, q, scale, chunk, o, lse, kv):
     return merge(o, lse, bo, blse)
 
 
-def _backward_step(block: int, q, do, lse, delta, scale, chunk, dq, dkv, kv):
+def _backward_step(block: int, q, do, lse, delta, scale, blocks, dq, dkv, kv):
     """(dq, dkv) after adding one `block`'s gradients (dkv stacked [dk, dv])."""
     if block == SKIP:
         return dq, dkv
     k, v = kv[0], kv[1]
-    t = q.shape[3]
-    run = functools.partial(attend_backward_chunked, scale=scale, chunk=chunk)
+    c = q.shape[3] // 2
+    run = functools.partial(blocks.backward, scale=scale, causal=False)
     if block in (FULL, DIAGONAL):
-        attend = run if block == FULL else functools.partial(attend_diagonal_backward, scale=scale, chunk=chunk)
-        bq, bk, bv = attend(q, k, v, do, lse, delta)
+        bq, bk, bv = blocks.backward(q, k, v, do, lse, delta, scale=scale, causal=block == DIAGONAL)
         return dq + bq, dkv + jnp.stack([bk, bv])
-    c = t // 2
     if block == EARLY_KV:
         bq, bk, bv = run(q, k[:, :, :c], v[:, :, :c], do, lse, delta)
         return dq + bq, dkv.at[:, :, :, :c].add(jnp.stack([bk, bv]))
@@ -141,27 +136,27 @@ def _ring(cp: int, axis, kv, first, step, after=lambda state: state, hop: str = 
     return state
 
 
-def _forward(q, kv, axis, causal, layout, chunk, hop):
+def _forward(q, kv, axis, causal, layout, blocks, hop):
     """(o, lse) of grouped q [B, K, G, Tq, H] over the ring's stacked K/V [2, B, K, Tk, H]; o in q's dtype."""
     cp = _size(axis)
     scale = 1.0 / math.sqrt(q.shape[-1])
     table = zigzag.plan(cp, layout, causal)
-    step = _dispatch(table, axis, lambda block, state, kv: _forward_step(block, q, scale, chunk, *state, kv))
-    o, lse = _ring(cp, axis, kv, lambda kv: _attend_block(int(table[0, 0]), q, kv, scale, chunk), step, hop=hop)
+    step = _dispatch(table, axis, lambda block, state, kv: _forward_step(block, q, scale, blocks, *state, kv))
+    o, lse = _ring(cp, axis, kv, lambda kv: _attend_block(int(table[0, 0]), q, kv, scale, blocks), step, hop=hop)
     return o.astype(q.dtype), lse
 
 
-def _backward(q, kv, o, lse, do, axis, causal, layout, chunk, hop):
+def _backward(q, kv, o, lse, do, axis, causal, layout, blocks, hop):
     cp = _size(axis)
     scale = 1.0 / math.sqrt(q.shape[-1])
     table = zigzag.plan(cp, layout, causal)
     dt = acc_dtype(q.dtype)
     delta = jnp.sum(do.astype(dt) * o.astype(dt), axis=-1)
-    step = _dispatch(table, axis, lambda block, state, kv: _backward_step(block, q, do, lse, delta, scale, chunk, *state, kv))
+    step = _dispatch(table, axis, lambda block, state, kv: _backward_step(block, q, do, lse, delta, scale, blocks, *state, kv))
 
     def first(kv):
         zeros = (jnp.zeros(q.shape, dt), jnp.zeros(kv.shape, dt))
-        return _backward_step(int(table[0, 0]), q, do, lse, delta, scale, chunk, *zeros, kv)
+        return _backward_step(int(table[0, 0]), q, do, lse, delta, scale, blocks, *zeros, kv)
 
     send = lambda x: ring_shift(x, axis, cp, hop=hop)
     after = (lambda state: (state[0], send(state[1]))) if cp > 1 else (lambda state: state)
@@ -170,17 +165,17 @@ def _backward(q, kv, o, lse, do, axis, causal, layout, chunk, hop):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _ring_attention(q, kv, axis, causal, layout, chunk, hop):
-    return _forward(q, kv, axis, causal, layout, chunk, hop)[0]
+def _ring_attention(q, kv, axis, causal, layout, blocks, hop):
+    return _forward(q, kv, axis, causal, layout, blocks, hop)[0]
 
 
-def _ring_fwd(q, kv, axis, causal, layout, chunk, hop):
-    o, lse = _forward(q, kv, axis, causal, layout, chunk, hop)
+def _ring_fwd(q, kv, axis, causal, layout, blocks, hop):
+    o, lse = _forward(q, kv, axis, causal, layout, blocks, hop)
     return o, (q, kv, o, lse)
 
 
-def _ring_bwd(axis, causal, layout, chunk, hop, res, do):
-    return _backward(*res, do, axis, causal, layout, chunk, hop)
+def _ring_bwd(axis, causal, layout, blocks, hop, res, do):
+    return _backward(*res, do, axis, causal, layout, blocks, hop)
 
 
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)
@@ -236,7 +231,7 @@ def check_shard_tokens(tokens: int, layout: str) -> None:
 
 def ring_attention_shard(q, k, v, *, axis=CP, causal: bool = True, layout: str = "contiguous",
                          relayout: bool = False, chunk: int = CHUNK, custom_backward: bool = True,
-                         hop: str = "ppermute"):
+                         hop: str = "ppermute", kernel: str = "xla"):
     """Attention of this shard's queries over the whole ring's keys, inside shard_map.
 
     q [B, Tc, N, H], k and v [B, Tc, K, H], Tc = T/cp: this rank's tokens, in `layout`
@@ -248,6 +243,9 @@ def ring_attention_shard(q, k, v, *, axis=CP, causal: bool = True, layout: str =
     differentiates the forward loop by autodiff (it keeps every block's scores: the
     reference for the memory-efficient backward). hop: how K/V move round the ring,
     "ppermute", or "all_to_all" inside a pipeline stage (collectives.ring_shift says why).
+    kernel: what computes each block, "xla" (the blockwise ops, keys `chunk` at a time),
+    "pallas" (the fused kernel, kernels.flash) or "auto" (Pallas on a GPU for 16-bit
+    inputs it fits: kernels.attention.choose_block).
     Checked here (ConfigError); `attend_ring` is the same without the checks.
     """
     chunk = check_options(causal=causal, layout=layout, chunk=chunk, relayout=relayout,
@@ -255,28 +253,36 @@ def ring_attention_shard(q, k, v, *, axis=CP, causal: bool = True, layout: str =
     _, tokens, _, _, _ = check_qkv(q, k, v, needed_by="ring_attention_shard")
     check_shard_tokens(tokens, layout)
     return attend_ring(q, k, v, axis=axis, causal=causal, layout=layout, relayout=relayout, chunk=chunk,
-                       custom_backward=custom_backward, hop=hop)
+                       custom_backward=custom_backward, hop=hop, kernel=kernel)
+
+
+def block_kernel(q, kernel: str, layout: str) -> str:
+    """The kernel of a ring's blocks for this shard's q [B, Tc, N, H]: the zigzag layout's
+    blocks are down to half a rank's tokens (kernels.attention.choose_block)."""
+    tokens = int(q.shape[1]) // (2 if layout == "zigzag" else 1)
+    return choose_block(kernel, dtype=q.dtype, tq=tokens, tk=tokens, head_dim=int(q.shape[-1]))
 
 
 def attend_ring(q, k, v, *, axis, causal: bool, layout: str, relayout: bool, chunk: int, custom_backward: bool,
-                hop: str):
+                hop: str, kernel: str = "xla"):
     """ring_attention_shard on inputs its entry points have checked (check_options,
     blockwise.check_qkv, check_shard_tokens or zigzag.check_sequence), per shard:
     q [B, Tc, N, H], k and v [B, Tc, K, H] -> [B, Tc, N, H]."""
     move = functools.partial(relayout_shard, axis=axis, layout=layout if relayout else "contiguous")
     kv = checkpoint_name(jnp.stack([heads_major(k), heads_major(v)]), KV_NAME)   # [2, B, K, Tc, H]: one buffer travels
-    o = _ring_kv(move(group(q, k.shape[2])), move(kv), axis, causal, layout, chunk, custom_backward, hop)
+    blocks = Blocks(chunk, block_kernel(q, kernel, layout))
+    o = _ring_kv(move(group(q, k.shape[2])), move(kv), axis, causal, layout, blocks, custom_backward, hop)
     return ungroup(move(o, inverse=True))
 
 
-def _ring_kv(q, kv, axis, causal, layout, chunk, custom_backward, hop):
+def _ring_kv(q, kv, axis, causal, layout, blocks, custom_backward, hop):
     if custom_backward:
-        return _ring_attention(q, kv, axis, causal, layout, chunk, hop)
-    return _forward(q, kv, axis, causal, layout, chunk, hop)[0]
+        return _ring_attention(q, kv, axis, causal, layout, blocks, hop)
+    return _forward(q, kv, axis, causal, layout, blocks, hop)[0]
 
 
-def specs(mesh, *, seq_axes: tuple[str, ...], n_heads: int, n_kv_heads: int, batch_size: int,
-          needed_by: str) -> P:
+def qkv_pspec(mesh, *, seq_axes: tuple[str, ...], n_heads: int, n_kv_heads: int, batch_size: int,
+              needed_by: str) -> P:
     """The PartitionSpec of q, k, v and the output on `mesh`: batch over dp, sequence over
     `seq_axes`, heads over tp, each only where the mesh has that axis."""
     mesh_lib.require_mesh(mesh, axes=seq_axes, needed_by=needed_by)
@@ -291,22 +297,27 @@ def specs(mesh, *, seq_axes: tuple[str, ...], n_heads: int, n_kv_heads: int, bat
 
 
 def ring_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "contiguous", axis: str = CP,
-                   permute: bool = True, chunk: int = CHUNK, custom_backward: bool = True):
+                   relayout: bool = True, chunk: int = CHUNK, custom_backward: bool = True, kernel: str = "xla"):
     """Ring attention on global arrays: q [B, T, N, H], k and v [B, T, K, H]; equal to
     reference.attention(q, k, v, causal=causal). The sequence is split over `axis` of
     `mesh` (cp), the batch over dp and the heads over tp where the mesh has them.
 
-    permute=True takes and returns the sequence in natural order; under zigzag each
+    relayout=True takes and returns the sequence in natural order; under zigzag each
     rank then swaps half its tokens into the layout before the ring and back after it
     (`relayout_shard`: 2 collective-permutes for q, 2 for K/V, 2 for the output).
-    permute=False takes it already in layout order (`zigzag.to_layout`, as a data
+    relayout=False takes it already in layout order (`zigzag.to_layout`, as a data
     loader would deliver it) and returns it so, with no communication beyond the ring's.
+    kernel: what computes each block (ring_attention_shard).
     """
-    errors.flag("permute", permute)
+    errors.flag("relayout", relayout)
     chunk = check_options(causal=causal, layout=layout, chunk=chunk, custom_backward=custom_backward)
     B, T, N, K, H = check_qkv(q, k, v, needed_by="ring_attention")
-    spec = specs(mesh, seq_axes=(axis,), n_heads=N, n_kv_heads=K, batch_size=B, needed_by="ring_attention")
+    pspec = qkv_pspec(mesh, seq_axes=(axis,), n_heads=N, n_kv_heads=K, batch_size=B, needed_by="ring_attention")
     zigzag.check_sequence(T, mesh_lib.axis_size(mesh, axis), layout)
-    shard = functools.partial(attend_ring, axis=axis, causal=causal, layout=layout, relayout=permute, chunk=chunk,
-                              custom_backward=custom_backward, hop="ppermute")
-    return jax.shard_map(shard, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
+    shard = functools.partial(attend_ring, axis=axis, causal=causal, layout=layout, relayout=relayout, chunk=chunk,
+                              custom_backward=custom_backward, hop="ppermute", kernel=kernel)
+    # Pallas' interpreter (the kernel off a GPU) cannot run inside a shard_map that checks
+    # varying axes (its loops lose them); ring attention has no psum for the check to guard
+    interpreted = block_kernel(q, kernel, layout) == "pallas" and flash.interpret_here()
+    return jax.shard_map(shard, mesh=mesh, in_specs=(pspec,) * 3, out_specs=pspec,
+                         check_vma=not interpreted)(q, k, v)

@@ -37,7 +37,7 @@ from jaxpar import mesh as mesh_lib
 from jaxpar.context import zigzag
 from jaxpar.context.blockwise import check_qkv
 from jaxpar.context.formulas import kv_heads_sent
-from jaxpar.context.ring import CHUNK, attend_ring, check_options, check_shard_tokens, specs
+from jaxpar.context.ring import CHUNK, attend_ring, check_options, check_shard_tokens, qkv_pspec
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.attention import IMPLEMENTATIONS, attention, choose
 from jaxpar.mesh import CP, UCP
@@ -68,9 +68,10 @@ def hybrid_attention_shard(q, k, v, *, ulysses_axis=UCP, ring_axis=CP, causal: b
     that order too; it is put back in natural order, a local gather, before the causal
     mask and in layout order again after. kernel: how a device attends to a whole
     sequence (ring_axis=None): "xla", blockwise `chunk` keys at a time (ring.py's, cp = 1),
-    or a fused kernel, "cudnn" or "auto" (kernels.attention.choose); the ring's blocks are
-    always blockwise. Checked here (ConfigError); `attend_hybrid` is the same without the
-    checks.
+    or a fused kernel, "cudnn", "pallas" or "auto" (kernels.attention.choose); the ring's
+    blocks (ring_axis set) take the same option through kernels.attention.choose_block
+    ("cudnn" meaning the XLA blocks there: cuDNN cannot merge). Checked here
+    (ConfigError); `attend_hybrid` is the same without the checks.
     """
     chunk = check_options(causal=causal, layout=layout, chunk=chunk, relayout=relayout)
     errors.one_of("kernel", kernel, IMPLEMENTATIONS)
@@ -84,9 +85,11 @@ def hybrid_attention_shard(q, k, v, *, ulysses_axis=UCP, ring_axis=CP, causal: b
 
 def _whole(q, k, v, *, causal: bool, chunk: int, kernel: str):
     """One device's attention over the whole sequence [B, T, h, H]: blockwise in XLA
-    (ring attention over no axis) or through the fused kernel."""
-    if kernel != "xla" and choose(kernel, dtype=q.dtype, head_dim=int(q.shape[-1])) == "cudnn":
-        return attention(q, k, v, causal=causal, implementation="cudnn")
+    (ring attention over no axis) or through a fused kernel."""
+    impl = "xla" if kernel == "xla" else choose(kernel, dtype=q.dtype, head_dim=int(q.shape[-1]),
+                                                 seq_len=int(q.shape[1]))
+    if impl != "xla":
+        return attention(q, k, v, causal=causal, implementation=impl)
     return attend_ring(q, k, v, axis=None, causal=causal, layout="contiguous", relayout=False, chunk=chunk,
                        custom_backward=True, hop="ppermute")
 
@@ -110,7 +113,7 @@ def attend_hybrid(q, k, v, *, ulysses_axis, ring_axis, causal: bool, layout: str
         o = _whole(q, k, v, causal=causal, chunk=chunk, kernel=kernel)
     else:
         o = attend_ring(q, k, v, axis=ring_axis, causal=causal, layout=layout, relayout=relayout, chunk=chunk,
-                        custom_backward=True, hop="ppermute")
+                        custom_backward=True, hop="ppermute", kernel="xla" if kernel == "cudnn" else kernel)
     if natural:
         o = zigzag.to_layout(o, u, layout, axis=1)
     return _to_sequence(o, ulysses_axis) if u > 1 else o
@@ -126,15 +129,15 @@ def ulysses_attention_shard(q, k, v, *, axis=CP, causal: bool = True, layout: st
 
 
 def hybrid_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "contiguous", ring_axis: str | None = CP,
-                     ulysses_axis: str | None = UCP, permute: bool = True, chunk: int = CHUNK):
+                     ulysses_axis: str | None = UCP, relayout: bool = True, chunk: int = CHUNK):
     """2-D context parallelism on global arrays q [B, T, N, H], k and v [B, T, K, H]:
     Ulysses over `ulysses_axis` inside, ring attention over `ring_axis` outside; equal
     to reference.attention(q, k, v, causal=causal). Batch over dp and heads over tp
-    where the mesh has them. permute as in ring_attention (natural order in and out);
-    permute=False takes and returns the sequence in `layout` order over the ring's cp,
+    where the mesh has them. relayout as in ring_attention (natural order in and out);
+    relayout=False takes and returns the sequence in `layout` order over the ring's cp,
     or over the Ulysses devices when ring_axis is None (zigzag.to_layout)."""
     return _global_attention(q, k, v, mesh=mesh, causal=causal, layout=layout, axes=(ring_axis, ulysses_axis),
-                             permute=permute, chunk=chunk, kernel="xla")
+                             relayout=relayout, chunk=chunk, kernel="xla")
 
 
 def ulysses_attention(q, k, v, *, mesh, causal: bool = True, axis: str = CP, layout: str = "contiguous",
@@ -144,22 +147,22 @@ def ulysses_attention(q, k, v, *, mesh, causal: bool = True, axis: str = CP, lay
     as a composed model holds its tokens; the causal mask follows it). kernel: the
     whole-sequence attention on each device (hybrid_attention_shard); "cudnn" is refused
     (ConfigError) where it cannot run."""
-    return _global_attention(q, k, v, mesh=mesh, causal=causal, layout=layout, axes=(None, axis), permute=False,
+    return _global_attention(q, k, v, mesh=mesh, causal=causal, layout=layout, axes=(None, axis), relayout=False,
                              chunk=chunk, kernel=kernel)
 
 
-def _global_attention(q, k, v, *, mesh, causal: bool, layout: str, axes: tuple, permute: bool, chunk: int,
+def _global_attention(q, k, v, *, mesh, causal: bool, layout: str, axes: tuple, relayout: bool, chunk: int,
                       kernel: str):
     """hybrid_attention and ulysses_attention: axes = (ring_axis, ulysses_axis), either None."""
     ring_axis, ulysses_axis = axes
-    errors.flag("permute", permute)
+    errors.flag("relayout", relayout)
     errors.one_of("kernel", kernel, IMPLEMENTATIONS)
     chunk = check_options(causal=causal, layout=layout, chunk=chunk)
     B, T, N, K, H = check_qkv(q, k, v, needed_by="hybrid_attention")
     seq_axes = tuple(a for a in axes if a is not None)
     if not seq_axes:
         raise ConfigError("hybrid_attention needs ring_axis, ulysses_axis or both: give the mesh axis names")
-    spec = specs(mesh, seq_axes=seq_axes, n_heads=N, n_kv_heads=K, batch_size=B, needed_by="hybrid_attention")
+    pspec = qkv_pspec(mesh, seq_axes=seq_axes, n_heads=N, n_kv_heads=K, batch_size=B, needed_by="hybrid_attention")
     tp = mesh_lib.axis_size(mesh, mesh_lib.TP)
     u = mesh_lib.axis_size(mesh, ulysses_axis) if ulysses_axis else 1
     cp = mesh_lib.axis_size(mesh, ring_axis) if ring_axis else 1
@@ -170,5 +173,5 @@ def _global_attention(q, k, v, *, mesh, causal: bool, layout: str, axes: tuple, 
     if ring_axis is None:       # before compiling: the kernel asked for can run these inputs
         choose(kernel, dtype=q.dtype, head_dim=H, platform=mesh.devices.flat[0].platform)
     shard = functools.partial(attend_hybrid, ulysses_axis=ulysses_axis if u > 1 else None, ring_axis=ring_axis,
-                              causal=causal, layout=layout, relayout=permute, chunk=chunk, kernel=kernel)
-    return jax.shard_map(shard, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
+                              causal=causal, layout=layout, relayout=relayout, chunk=chunk, kernel=kernel)
+    return jax.shard_map(shard, mesh=mesh, in_specs=(pspec,) * 3, out_specs=pspec)(q, k, v)

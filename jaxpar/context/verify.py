@@ -26,7 +26,7 @@ from jaxpar.context.ulysses import hybrid_attention
 from jaxpar.mesh import CP, DP, TP, UCP
 from jaxpar.testing import Result, Run, fwd_bwd, join_notes
 
-# (method, layout, permute) -> what runs; the mesh decides cp, ucp, dp and tp
+# (method, layout, relayout) -> what runs; the mesh decides cp, ucp, dp and tp
 METHODS = ("ring", "ulysses", "hybrid")
 
 
@@ -59,14 +59,14 @@ def _reference_step(causal: bool):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AttentionCase:
     """One attention `run_attention` proves: how the method attends (causal, layout,
-    permute, chunk) and the inputs it attends over (q [B, T, N, H], k and v [B, T, K, H],
+    relayout, chunk) and the inputs it attends over (q [B, T, N, H], k and v [B, T, K, H],
     drawn by `attention_inputs`). Defaults: a small GQA case, causal, contiguous."""
 
     causal: bool = True
     """Each token attends to itself and the tokens before it only."""
     layout: str = "contiguous"
     """The ring's token order over cp: "contiguous" or "zigzag" (balances causal work)."""
-    permute: bool = True
+    relayout: bool = True
     """The program reorders tokens into the layout and back itself; False: the caller
     gives them in the layout's order (reordered outside the program, as a data loader would)."""
     chunk: int = CHUNK
@@ -97,18 +97,18 @@ class AttentionCase:
 def run_attention(method: str, mesh, case: AttentionCase = AttentionCase()) -> AttentionRun:
     """`method` (ring over cp, ulysses over cp, hybrid over ucp x cp) on `mesh`, against
     reference.attention, with both programs' collectives and their formulas."""
-    causal, layout, permute, chunk = case.causal, case.layout, case.permute, case.chunk
+    causal, layout, relayout, chunk = case.causal, case.layout, case.relayout, case.chunk
     q, k, v, do = case.inputs()
     if method == "ring":
-        fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, causal=causal, layout=layout, permute=permute,
+        fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, causal=causal, layout=layout, relayout=relayout,
                                             chunk=chunk)
     elif method == "ulysses":
         fn = lambda q, k, v: hybrid_attention(q, k, v, mesh=mesh, causal=causal, ring_axis=None, ulysses_axis=CP,
                                               chunk=chunk)
     else:
-        fn = lambda q, k, v: hybrid_attention(q, k, v, mesh=mesh, causal=causal, layout=layout, permute=permute,
+        fn = lambda q, k, v: hybrid_attention(q, k, v, mesh=mesh, causal=causal, layout=layout, relayout=relayout,
                                               chunk=chunk)
-    if permute or method == "ulysses":
+    if relayout or method == "ulysses":
         out, (fwd, bwd) = fwd_bwd(fn, q, k, v, ct=do)
     else:  # the program takes the layout's order: reorder outside it, as a data loader would
         ring_cp = mesh_lib.axis_size(mesh, CP)
@@ -119,12 +119,12 @@ def run_attention(method: str, mesh, case: AttentionCase = AttentionCase()) -> A
     size = functools.partial(mesh_lib.axis_size, mesh)
     kw = dict(cfg=cfg, batch_size=case.batch_size, seq_len=case.seq_len, dtype=case.dtype, dp=size(DP), tp=size(TP))
     if method == "ring":
-        formula = functools.partial(formulas.ring_collectives, **kw, cp=size(CP), layout=layout, permute=permute)
+        formula = functools.partial(formulas.ring_collectives, **kw, cp=size(CP), layout=layout, relayout=relayout)
     elif method == "ulysses":
         formula = functools.partial(formulas.ulysses_collectives, **kw, cp=size(CP))
     else:
         formula = functools.partial(formulas.hybrid_collectives, **kw, cp=size(CP), ucp=size(UCP), layout=layout,
-                                    permute=permute)
+                                    relayout=relayout)
     return AttentionRun(out=out, ref=_reference_step(causal)(q, k, v, do), forward=fwd, backward=bwd,
                         formula_forward=formula(), formula_backward=formula(backward=True))
 

@@ -96,7 +96,7 @@ def check_reduction() -> Result:
                   note=f"MLP {D_MODEL}-{D_FF}-{D_MODEL}, {x.shape[0]} rows; every gradient vs jax.grad")
 
 
-def zero1_step(mesh, pspecs, dims, batch_axes, state_specs, rows):
+def zero1_step(mesh, pspecs, dims, batch_axes, state_pspecs, rows):
     """One jitted ZeRO-1 AdamW step (params, state, x, y) -> (params, state) on `mesh`."""
     def per_device(params, state, x, y):
         grads = zero.reduce_scatter_gradients(_share(params, x, y, batch_axes), pspecs, dims, batch_axes=batch_axes)
@@ -104,8 +104,8 @@ def zero1_step(mesh, pspecs, dims, batch_axes, state_specs, rows):
         updates, state = OPTIM.update(grads, state, own)   # on dp-ths, with a dp-th of the state
         return zero.gather_params(optax.apply_updates(own, updates), dims), state
 
-    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(pspecs, state_specs, rows, rows),
-                                 out_specs=(pspecs, state_specs)))
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(pspecs, state_pspecs, rows, rows),
+                                 out_specs=(pspecs, state_pspecs)))
 
 
 def check_zero1(steps: int = 2) -> Result:
@@ -115,10 +115,10 @@ def check_zero1(steps: int = 2) -> Result:
     sizes = dict(mesh.shape)
     dims = zero.plan(params, pspecs, sizes=sizes)
     state = OPTIM.init(params)
-    state_specs = optax.tree_map_params(OPTIM, lambda _, s: s, state, zero.state_pspecs(pspecs, dims, params),
+    state_pspecs = optax.tree_map_params(OPTIM, lambda _, s: s, state, zero.state_pspecs(pspecs, dims, params),
                                         transform_non_params=lambda _: P())
-    state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs))
-    compiled = zero1_step(mesh, pspecs, dims, batch_axes, state_specs, rows).lower(params, state, x, y).compile()
+    state = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), state_pspecs))
+    compiled = zero1_step(mesh, pspecs, dims, batch_axes, state_pspecs, rows).lower(params, state, x, y).compile()
 
     @jax.jit
     def reference_step(params, state):

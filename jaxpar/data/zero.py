@@ -1,7 +1,8 @@
-"""ZeRO-1, per shard: the optimizer state sharded over dp (Rajbhandari et al. 2020, stage
-1; lecture 8 sec. 7). Adam keeps two moments per weight, twice the weights' own bytes;
-under plain data parallelism every dp rank keeps all of them. ZeRO-1 gives each dp rank
-a dp-th of every weight to update, along one dimension of its local shard:
+"""ZeRO-1, -2 and -3 (FSDP), per shard. ZeRO-1: the optimizer state sharded over dp
+(Rajbhandari et al. 2020, stage 1; lecture 8 sec. 7). Adam keeps two moments per weight,
+twice the weights' own bytes; under plain data parallelism every dp rank keeps all of
+them. ZeRO-1 gives each dp rank a dp-th of every weight to update, along one dimension
+of its local shard:
 
     dims = plan(shapes, pspecs, sizes=mesh.shape)     # per leaf: the dim split over dp, -1 none
     # inside shard_map, after the backward (g: this device's share, g[X, ...]{U_dp}):
@@ -30,7 +31,7 @@ ZeRO-3 (FSDP) stores the weights themselves as their dp-th (their PartitionSpecs
 
 The all-gather's transpose is a reduce-scatter over dp: the gradient of p comes out of
 the layer's backward as its dp-th, summed over dp already (the step's reduction then
-skips dp for it: its spec names dp). The gathered weights are not kept for the backward:
+skips dp for it: its pspec names dp). The gathered weights are not kept for the backward:
 the layer's vjp keeps its residuals but them (a jax.custom_vjp keeps p, the dp-th,
 instead), and the backward gathers them again (FSDP's re-gather): per use, 2 all-gathers
 of the layer's weights and 1 reduce-scatter of its gradient (`formulas.zero3_bytes`; a

@@ -277,12 +277,12 @@ def manual_axes(mesh) -> tuple[str, ...]:
     return tuple(a for a in (DP, EP) if mesh_lib.axis_size(mesh, a) > 1)
 
 
-def specs(mesh, params: dict) -> tuple[dict, P]:
+def pspecs(mesh, params: dict) -> tuple[dict, P]:
     """(PartitionSpecs of params, of the tokens): router replicated, expert weights split
     over ep; tokens (the batch) over (dp, ep)."""
     split = EP if EP in manual_axes(mesh) else None
-    param_specs = {name: P(split) if name in EXPERT_WEIGHTS else P() for name in params}
-    return param_specs, P(manual_axes(mesh) or None)
+    param_pspecs = {name: P(split) if name in EXPERT_WEIGHTS else P() for name in params}
+    return param_pspecs, P(manual_axes(mesh) or None)
 
 
 def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "position",
@@ -318,7 +318,7 @@ def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "pos
     tokens = B // mesh_lib.axis_size(mesh, DP) // ep * T        # per device
     C = capacity(tokens, cfg.top_k, cfg.n_experts, capacity_factor)   # refuses a capacity_factor <= 0
     p = {name: params[name] for name in names}
-    p_specs, x_spec = specs(mesh, p)
+    p_pspecs, x_pspec = pspecs(mesh, p)
     options = MoEOptions.of(cfg, capacity_factor=capacity_factor, drop=drop, scoring=scoring, grouped=grouped)
     check_grouped(options, ep)
     shard = functools.partial(dispatch_and_combine, axis=EP if ep > 1 else None, options=options, routing=None)
@@ -328,9 +328,10 @@ def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "pos
         y, kept, dropped = shard(p, x.reshape(b * T, D), bias=bias)
         return y.reshape(b, T, D), kept[None], dropped[None]
 
-    bias_spec = None if bias is None else P()
+    bias_pspec = None if bias is None else P()
     if manual_axes(mesh):
-        run = jax.shard_map(run, mesh=mesh, in_specs=(p_specs, x_spec, bias_spec), out_specs=(x_spec, x_spec, x_spec),
+        run = jax.shard_map(run, mesh=mesh, in_specs=(p_pspecs, x_pspec, bias_pspec),
+                            out_specs=(x_pspec, x_pspec, x_pspec),
                             axis_names=set(manual_axes(mesh)))
     y, kept, dropped = run(p, x, bias)       # one device: nothing to split, no shard_map
     return y, MoEStats(kept, dropped, ep, C)

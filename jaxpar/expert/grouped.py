@@ -7,7 +7,7 @@ The padded path (dispatch.py) gives each expert a buffer of C = t slots, the mos
 be sent, and runs every expert on all of them: E*t rows, E/k times the t*k a routed
 token needs (4x for 8 experts top-2). Here expert e's n_e assignments (token, choice)
 get one run of rows, rounded up to whole blocks of b rows, the runs one after another
-(`layout`): at most t*k + E*(b-1) rows in all, a static bound. Each block belongs to
+(`block_slots`): at most t*k + E*(b-1) rows in all, a static bound. Each block belongs to
 one expert, so each matmul of the experts' MLP is one matmul batched over the blocks,
 [n_blocks, b, D] x [n_blocks, D, F], each block with its expert's matrix
 (`block_matmul`); the rows are then gathered back and mixed by the gates, as
@@ -45,7 +45,7 @@ def block_rows(rows: int, n_experts: int) -> int:
     return -(-b // 128) * 128 if b > 128 else b
 
 
-def layout(experts, n_experts: int, block: int):
+def block_slots(experts, n_experts: int, block: int):
     """Where each assignment's row goes: (slot [t, k] in [0, n_blocks * block),
     block_expert [n_blocks]: the expert of each block, sizes [E] int32: assignments per
     expert). Expert e's rows are one run, in token order, rounded up to whole blocks;
@@ -88,7 +88,7 @@ def grouped_moe(p: dict, x, experts, weights, *, mlp: str):
     t, D = x.shape
     k = experts.shape[1]
     b = block_rows(t * k, p["w_up"].shape[0])
-    slot, block_expert, sizes = layout(experts, p["w_up"].shape[0], b)
+    slot, block_expert, sizes = block_slots(experts, p["w_up"].shape[0], b)
     rows = block_expert.shape[0] * b
     # each row of x to its k slots (distinct): the transpose gathers, no scatter-add
     buf = jnp.zeros((rows, D), x.dtype).at[slot.reshape(-1)].set(jnp.repeat(x, k, axis=0), unique_indices=True)

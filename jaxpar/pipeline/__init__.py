@@ -6,8 +6,8 @@ SPMD program. The schedules themselves, pure data, are `jaxpar.schedules`.
     formulas   bubble fractions, microbatches in flight, the collectives of one step, bubble
                times with comm (pure Python)
     stage      what a stage is: layers(...), Grads, losses, the layer layout
-    request    Request: one step's functions, shapes, specs and options, checked once
-    local_shapes  what each device sees: the batch and the specs checked against the mesh
+    request    Request: one step's functions, shapes, pspecs and options, checked once
+    local_shapes  what each device sees: the batch and the pspecs checked against the mesh
     passes     one stage's F, B and W: layers scanned, weight gradients added in place,
                the parameters never stored between F and B
     program    the per-device program: one lax.scan over the plan, sends as guarded ppermutes

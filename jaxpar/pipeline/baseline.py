@@ -25,7 +25,7 @@ def gpipe_baseline(stage_fn: Callable, params, batch, *, mesh, microbatches: int
     """The pipeline of the JAX shard_map docs and MaxText: at step t device d runs its stage
     on microbatch t - d and ppermutes the result to d + 1; m + p - 1 steps; the backward is
     jax.grad of the whole scan, so every step's residuals are kept: memory grows with m.
-    Returns a Pipeline whose `step` has the runtime's signature (stage layout with v = 1)."""
+    Returns a Pipeline whose `step` has the runtime's signature (stage layout with chunks = 1)."""
     require_mesh(mesh, axes=(PP,), only=(DP, PP), needed_by="the GPipe baseline")
     p, dp = axis_size(mesh, PP), axis_size(mesh, DP)
     schedule = schedule_lib.make("gpipe", stages=p, microbatches=microbatches)

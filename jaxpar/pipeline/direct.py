@@ -3,7 +3,7 @@
     program = Direct(request)          # request.schedule.stages == 1
     loss, grads, dx, g_first, g_last = program(params, inputs, targets, first, last)
 
-The same call and results as `program.Program` (params [v, Lc, ...], inputs / targets
+The same call and results as `program.Program` (params [chunks, Lc, ...], inputs / targets
 [m, mb, ...]; the gradients not yet summed over the batch axes), computed the way an
 unpipelined trainer does: one `jax.value_and_grad` of first_fn, the layers in order and
 loss_fn, accumulated over the m microbatches by a `lax.scan` (gradient accumulation;
@@ -51,7 +51,7 @@ class Direct:
         return self.request.activation_axes
 
     def _forward(self, params, first_params, last_params, x, target):
-        """One microbatch's loss / scale: first_fn, every layer of params [v, Lc, ...] in order, loss_fn."""
+        """One microbatch's loss / scale: first_fn, every layer of params [chunks, Lc, ...] in order, loss_fn."""
         req = self.request
         h = x if req.first_fn is None else req.first_fn(first_params, x)
         stage = req.stage_fn
@@ -68,7 +68,7 @@ class Direct:
         return (loss / req.scale).astype(req.loss_dtype)
 
     def __call__(self, params, inputs, targets, first_params=None, last_params=None):
-        """params [v, Lc, ...], inputs / targets [m, mb, ...] -> (loss, grads [v, Lc, ...],
+        """params [chunks, Lc, ...], inputs / targets [m, mb, ...] -> (loss, grads [chunks, Lc, ...],
         None, first-stage grads, last-stage grads): `Program`'s results (no input gradients)."""
         if self.request.input_grads:
             raise ConfigError("Direct does not return input gradients: use pipeline.runtime.local")

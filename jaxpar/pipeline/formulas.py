@@ -39,7 +39,7 @@ IN_FLIGHT: dict[str, Callable[[int, int, int], float]] = {
     "all": lambda p, m, v: m,
     "p": lambda p, m, v: min(m, p),            # p warm-up forwards (the V: 2p chunks of half a stage)
     "2p-1": lambda p, m, v: min(m, 2 * p - 1),  # 2p - 1 warm-up forwards
-    # Narayanan et al. 2021: at most m v chunks of 1/v stage
+    # Narayanan et al. 2021: at most mv chunks of 1/v stage
     "interleaved": lambda p, m, v: min(p * (1 + (p - 1) / (p * v)), m),
 }
 

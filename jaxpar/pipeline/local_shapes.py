@@ -1,10 +1,10 @@
-"""What each device sees of a pipeline request: the batch and the parameters' specs checked
+"""What each device sees of a pipeline request: the batch and the parameters' pspecs checked
 against the mesh, and the per-device shapes they give (`request.make` calls these once).
 
-    batch_shapes(...) the batch's specs, the axes it is split over, one microbatch's local shapes
-    specs(...)        one PartitionSpec per parameter leaf and the local ShapeDtypeStructs
-    local_shape(...)  an array's per-device shape under a spec (refusing sizes the axes do not divide)
-    drop_unit(...)    a spec without the axes of one device
+    batch_shapes(...) the batch's pspecs, the axes it is split over, one microbatch's local shapes
+    pspecs(...)       one PartitionSpec per parameter leaf and the local ShapeDtypeStructs
+    local_shape(...)  an array's per-device shape under a pspec (refusing sizes the axes do not divide)
+    drop_unit(...)    a pspec without the axes of one device
 
 Each refuses, with a ConfigError naming the value and a fix, what the mesh cannot hold.
 """
@@ -26,15 +26,15 @@ from jaxpar.mesh import DP, PP, axis_size, pspec_axes
 @dataclasses.dataclass(frozen=True)
 class Batch:
     """What the batch's checks found."""
-    in_spec: P
-    target_spec: P
+    in_pspec: P
+    target_pspec: P
     axes: tuple[str, ...]     # the axes of more than one device the batch is split over
     input_grads: bool
     local: dict               # ShapeDtypeStructs of one microbatch's inputs and targets on a device
 
 
 def batch_shapes(batch, batch_spec, mesh, microbatches: int, first_fn, input_grads) -> Batch:
-    """The batch's specs and per-device microbatch shapes; refused unless its rows split
+    """The batch's pspecs and per-device microbatch shapes; refused unless its rows split
     over the batch axes x microbatches (and input_grads is possible)."""
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise ConfigError(f"batch is a {type(batch).__name__}"
@@ -48,26 +48,27 @@ def batch_shapes(batch, batch_spec, mesh, microbatches: int, first_fn, input_gra
         raise ConfigError(f"inputs {in_shape} and targets {t_shape}: both need a leading batch axis [B, ...]")
     if batch_spec is None:
         batch_spec = P(DP) if DP in mesh.shape else P()
-    in_spec, target_spec = batch_spec if isinstance(batch_spec, tuple) and not isinstance(batch_spec, P) \
+    in_pspec, target_pspec = batch_spec if isinstance(batch_spec, tuple) and not isinstance(batch_spec, P) \
         else (batch_spec, batch_spec)
-    local_in = local_shape(in_shape, in_spec, mesh, "batch_spec for the inputs")
-    local_t = local_shape(t_shape, target_spec, mesh, "batch_spec for the targets")
-    in_spec, target_spec = drop_unit(in_spec, mesh), drop_unit(target_spec, mesh)
+    local_in = local_shape(in_shape, in_pspec, mesh, "batch_spec for the inputs")
+    local_t = local_shape(t_shape, target_pspec, mesh, "batch_spec for the targets")
+    in_pspec, target_pspec = drop_unit(in_pspec, mesh), drop_unit(target_pspec, mesh)
     rows = in_shape[0]
     if t_shape[0] != rows:
         raise ConfigError(f"inputs have {rows} rows but targets {t_shape[0]}: give one target per row")
-    row_axes = [a for a in (in_spec[0] if len(in_spec) and isinstance(in_spec[0], tuple)
-                            else (in_spec[0],) if len(in_spec) and in_spec[0] else ())]
+    row_axes = [a for a in (in_pspec[0] if len(in_pspec) and isinstance(in_pspec[0], tuple)
+                            else (in_pspec[0],) if len(in_pspec) and in_pspec[0] else ())]
     split = math.prod(axis_size(mesh, a) for a in row_axes)
     if rows % (split * microbatches):
         over = " x ".join(f"{a}={axis_size(mesh, a)}" for a in row_axes) or f"{DP}=1"
         raise ConfigError(f"batch of {rows} rows does not split into {over} x microbatches={microbatches}: "
                           f"use a batch divisible by {split * microbatches}, or another microbatch count")
     axes = tuple(a for a in mesh.axis_names if a != PP and axis_size(mesh, a) > 1
-                 and a in pspec_axes(in_spec) | pspec_axes(target_spec))
+                 and a in pspec_axes(in_pspec) | pspec_axes(target_pspec))
     one = lambda shape, a: jax.ShapeDtypeStruct((shape[0] // microbatches, *shape[1:]), jnp.result_type(a))
-    return Batch(in_spec=in_spec, target_spec=target_spec, axes=axes, input_grads=input_grads_of(input_grads, inputs),
-                  local=dict(inputs=one(local_in, inputs), targets=one(local_t, targets)))
+    return Batch(in_pspec=in_pspec, target_pspec=target_pspec, axes=axes,
+                 input_grads=input_grads_of(input_grads, inputs),
+                 local=dict(inputs=one(local_in, inputs), targets=one(local_t, targets)))
 
 
 def input_grads_of(input_grads, inputs) -> bool:
@@ -83,53 +84,53 @@ def input_grads_of(input_grads, inputs) -> bool:
     return input_grads
 
 
-def local_shape(shape, spec: P, mesh, what: str, skip: int = 0) -> tuple[int, ...]:
-    """The per-device shape of an array of `shape` laid out as `spec` on its dims after the
+def local_shape(shape, pspec: P, mesh, what: str, skip: int = 0) -> tuple[int, ...]:
+    """The per-device shape of an array of `shape` laid out as `pspec` on its dims after the
     first `skip` (refusing axes the mesh lacks, pp, and sizes the axes do not divide)."""
-    if not isinstance(spec, P):
-        raise ConfigError(f"{what}: the spec {spec!r} is a {type(spec).__name__}, not a "
+    if not isinstance(pspec, P):
+        raise ConfigError(f"{what}: the pspec {pspec!r} is a {type(pspec).__name__}, not a "
                           "jax.sharding.PartitionSpec: e.g. P(None, 'tp')")
     dims = shape[skip:]
-    if len(spec) > len(dims):
-        raise ConfigError(f"{what}: the spec {spec} names {len(spec)} dimensions, the array has {len(dims)} "
+    if len(pspec) > len(dims):
+        raise ConfigError(f"{what}: the pspec {pspec} names {len(pspec)} dimensions, the array has {len(dims)} "
                           f"{'after its layer axis ' if skip else ''}({tuple(shape)})")
     out = list(shape)
-    for j, entry in enumerate(spec):
+    for j, entry in enumerate(pspec):
         axes = entry if isinstance(entry, tuple) else () if entry is None else (entry,)
         n = 1
         for a in axes:
             if a == PP or a not in mesh.shape:
-                raise ConfigError(f"{what}: the spec {spec} names axis {a!r}; the mesh has {dict(mesh.shape)} "
+                raise ConfigError(f"{what}: the pspec {pspec} names axis {a!r}; the mesh has {dict(mesh.shape)} "
                                   f"and {PP} is the pipeline's own: name the other axes only")
             n *= mesh.shape[a]
         if dims[j] % n:
             raise ConfigError(f"{what}: dimension {skip + j} of {tuple(shape)} is {dims[j]}, not divisible by "
-                              f"{' x '.join(axes)} = {n} in the spec {spec}: use a size divisible by {n}")
+                              f"{' x '.join(axes)} = {n} in the pspec {pspec}: use a size divisible by {n}")
         out[skip + j] = dims[j] // n
     return tuple(out)
 
 
-def drop_unit(spec: P, mesh) -> P:
-    """spec without the axes of one device (a value split over one device is whole, and
+def drop_unit(pspec: P, mesh) -> P:
+    """pspec without the axes of one device (a value split over one device is whole, and
     shard_map would type it varying over an axis nothing sums over)."""
     def entry(e):
         axes = tuple(a for a in (e if isinstance(e, tuple) else () if e is None else (e,))
                      if mesh.shape.get(a, 2) > 1)
         return None if not axes else axes[0] if len(axes) == 1 else axes
-    return P(*(entry(e) for e in spec))
+    return P(*(entry(e) for e in pspec))
 
 
-def specs(tree, given, mesh, what: str, skip: int = 0):
-    """(the spec tree, one P per leaf of tree as `given`, default P(); the local ShapeDtypeStructs)."""
+def pspecs(tree, given, mesh, what: str, skip: int = 0):
+    """(the pspec tree, one P per leaf of tree as `given`, default P(); the local ShapeDtypeStructs)."""
     if given is None:
         given = jax.tree.map(lambda _: P(), tree)
     is_p = lambda x: isinstance(x, P)
     if jax.tree.structure(given, is_leaf=is_p) != jax.tree.structure(tree):
         raise ConfigError(f"{what} has the structure {jax.tree.structure(given, is_leaf=is_p)}, the parameters "
                           f"{jax.tree.structure(tree)}: give one PartitionSpec per array")
-    for spec in jax.tree.leaves(given, is_leaf=is_p):
-        if not is_p(spec):
-            raise ConfigError(f"{what}: the spec {spec!r} is a {type(spec).__name__}, not a "
+    for pspec in jax.tree.leaves(given, is_leaf=is_p):
+        if not is_p(pspec):
+            raise ConfigError(f"{what}: the pspec {pspec!r} is a {type(pspec).__name__}, not a "
                               "jax.sharding.PartitionSpec: e.g. P(None, 'tp')")
     dropped = jax.tree.map(lambda s: drop_unit(s, mesh), given, is_leaf=is_p)
     local = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(local_shape(jnp.shape(a), s, mesh, what, skip),
@@ -137,6 +138,6 @@ def specs(tree, given, mesh, what: str, skip: int = 0):
     return dropped, local
 
 
-def edge_specs(tree, given, mesh, what: str):
-    """`specs` of the first or last stage's params, or (None, None) without them."""
-    return specs(tree, given, mesh, what) if tree is not None else (None, None)
+def edge_pspecs(tree, given, mesh, what: str):
+    """`pspecs` of the first or last stage's params, or (None, None) without them."""
+    return pspecs(tree, given, mesh, what) if tree is not None else (None, None)

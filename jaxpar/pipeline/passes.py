@@ -14,10 +14,10 @@ Two kinds of stage:
            minus the parameters it was taken with respect to.
 
 What F stores never holds a parameter (`split_vjp` states the invariant); its shapes, and
-the layout that rebuilds the pullback in B, are learned by tracing F once (`learn`), and
+the template that rebuilds the pullback in B, are learned by tracing F once (`learn`), and
 returned as a `Residuals` value: the passes hold no state. Chunk c's layer l is read from
-the [v, Lc, ...] parameters by one dynamic slice, and its gradient added into the
-[v, Lc, ...] accumulator by one dynamic update: weight gradients go in place, only in the
+the [chunks, Lc, ...] parameters by one dynamic slice, and its gradient added into the
+[chunks, Lc, ...] accumulator by one dynamic update: weight gradients go in place, only in the
 passes that make them. With `recompute=True` F keeps only x and B (and W) run the forward
 again.
 """
@@ -72,7 +72,7 @@ def shapes_and_axes(fn: Callable) -> tuple[list, list[tuple[str, ...]]]:
 
 # ---- a vjp split into what F stores and what B re-reads -----------------------------------
 
-class VjpLayout(NamedTuple):
+class VjpTemplate(NamedTuple):
     """Where each leaf of a vjp function comes from; static, the same in every trace of
     the function: ("param", j) the j-th leaf of the parameters, ("stored", None) a leaf F
     stores, ("constant", value) a value the function closes over."""
@@ -85,15 +85,15 @@ def _parameter_positions(params) -> dict[int, int]:
     return {id(a): j for j, a in enumerate(jax.tree.leaves(params))}
 
 
-def split_vjp(fn: Callable, params, x) -> tuple[jax.Array, list, VjpLayout]:
-    """(y = fn(params, x), the pullback's leaves to store, the layout that rebuilds it).
+def split_vjp(fn: Callable, params, x) -> tuple[jax.Array, list, VjpTemplate]:
+    """(y = fn(params, x), the pullback's leaves to store, the template that rebuilds it).
 
     Invariant, the basis of the runtime's memory claim (a residual slot holds activations,
     and its size follows the schedule, not the weights): the stored leaves exclude every
     leaf of `params`. A vjp function is a pytree whose leaves are its residuals; a residual
     that is a parameter (the same traced array, as `jax.vjp` keeps x of x @ w for dw and w
     for dx) is recorded by its position, and `join_vjp` re-reads it from the weights in B.
-    Leaves that are not traced (constants the function closes over) stay in the layout.
+    Leaves that are not traced (constants the function closes over) stay in the template.
     Call it under a trace (the program's shard_map): outside one, every residual is a
     constant. tests/pipeline/test_passes.py holds the invariant for the lecture's MLP layer,
     a reference transformer block, a whole stage and an NNX block."""
@@ -102,15 +102,15 @@ def split_vjp(fn: Callable, params, x) -> tuple[jax.Array, list, VjpLayout]:
     position = _parameter_positions(params)
     sources = tuple(("param", position[id(a)]) if id(a) in position
                     else ("stored", None) if isinstance(a, jax.core.Tracer) else ("constant", a) for a in leaves)
-    return y, [a for a, (kind, _) in zip(leaves, sources) if kind == "stored"], VjpLayout(treedef, sources)
+    return y, [a for a, (kind, _) in zip(leaves, sources) if kind == "stored"], VjpTemplate(treedef, sources)
 
 
-def join_vjp(layout: VjpLayout, params, stored) -> Callable:
+def join_vjp(template: VjpTemplate, params, stored) -> Callable:
     """The pullback `split_vjp` split: the parameters re-read from `params`, the stored
     leaves back in place."""
     leaves, stored = jax.tree.leaves(params), iter(stored)
-    return jax.tree.unflatten(layout.treedef, [leaves[j] if kind == "param" else next(stored) if kind == "stored"
-                                               else j for kind, j in layout.sources])
+    return jax.tree.unflatten(template.treedef, [leaves[j] if kind == "param" else next(stored) if kind == "stored"
+                                                 else j for kind, j in template.sources])
 
 
 class Residuals(NamedTuple):
@@ -119,26 +119,26 @@ class Residuals(NamedTuple):
     stored: list                  # ShapeDtypeStructs of F's stored leaves (Stack: [Lc, ...] each)
     axes: list                    # the manual axes each stored leaf varies over
     kept: jax.ShapeDtypeStruct    # what a split B keeps for W: [Lc, mb, ...] (Stack) or [mb, ...]
-    layout: VjpLayout | None      # None with recompute: B traces the forward again
+    template: VjpTemplate | None      # None with recompute: B traces the forward again
 
 
 def _learn(stored_fn: Callable, kept: jax.ShapeDtypeStruct) -> Residuals:
-    """Residuals from one trace of stored_fn() -> (stored leaves, layout or None)."""
-    layouts = []
+    """Residuals from one trace of stored_fn() -> (stored leaves, template or None)."""
+    templates = []
 
     def stored():
-        leaves, layout = stored_fn()
-        layouts.append(layout)
+        leaves, template = stored_fn()
+        templates.append(template)
         return leaves
     shapes, axes = shapes_and_axes(stored)
-    return Residuals(stored=shapes, axes=axes, kept=kept, layout=layouts[0])
+    return Residuals(stored=shapes, axes=axes, kept=kept, template=templates[0])
 
 
 # ---- the two kinds of stage -----------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Stack:
-    """A `layers` stage of `depth` layers, scanned. Uneven stages: `counts` [p][v] the
+    """A `layers` stage of `depth` layers, scanned. Uneven stages: `counts` [p][chunks] the
     layers chunk c of device d really holds (`stage.padded_layers`), depth the largest;
     a layer at or past its chunk's count is padding, skipped by a `lax.cond`: the identity
     in F, its output gradient passed through in B, no weight gradient (None: every chunk
@@ -160,16 +160,16 @@ class Stack:
 
     def _held(self, c, l):
         """Whether layer l of chunk c is a real layer on this device (uneven stages only)."""
-        counts = jnp.asarray(self.counts, jnp.int32)                    # [p, v]
+        counts = jnp.asarray(self.counts, jnp.int32)                    # [p, chunks]
         return l < jax.lax.dynamic_index_in_dim(counts[jax.lax.axis_index(PP)], c, 0, keepdims=False)
 
-    def _residuals(self, params, c, x) -> tuple[jax.Array, list, VjpLayout]:
-        """(y, each layer's stored leaves stacked on a layer axis, the layers' vjp layout)."""
-        layouts = []
+    def _residuals(self, params, c, x) -> tuple[jax.Array, list, VjpTemplate]:
+        """(y, each layer's stored leaves stacked on a layer axis, the layers' vjp template)."""
+        templates = []
 
         def run(layer_params, h):
-            y, stored, layout = split_vjp(self.layer_fn, layer_params, h)
-            layouts.append(layout)
+            y, stored, template = split_vjp(self.layer_fn, layer_params, h)
+            templates.append(template)
             return y, stored
 
         def body(h, l):
@@ -178,7 +178,7 @@ class Stack:
             return _unless_padding(self._held(c, l), run, lambda layer_params, h, out: (h, out[1]),
                                    read(params, (c, l)), h)
         y, stored = jax.lax.scan(body, x, jnp.arange(self.depth))
-        return y, stored, layouts[0]
+        return y, stored, templates[0]
 
     def forward(self, params, c, x) -> tuple[jax.Array, list]:
         """(y, what F stores): chunk c's layers on x [mb, ...]."""
@@ -191,18 +191,18 @@ class Stack:
             return jax.lax.scan(body, x, jnp.arange(self.depth))[0], [x]
         return self._residuals(params, c, x)[:2]
 
-    def _stored(self, params, c, stored, layout) -> tuple[list, VjpLayout]:
+    def _stored(self, params, c, stored, template) -> tuple[list, VjpTemplate]:
         if self.recompute:
             return self._residuals(params, c, stored[0])[1:]
-        return stored, layout
+        return stored, template
 
-    def backward(self, params, c, stored, g, acc, *, weights: bool, layout: VjpLayout | None):
+    def backward(self, params, c, stored, g, acc, *, weights: bool, template: VjpTemplate | None):
         """(dL/dx, acc with this chunk's weight gradients added if `weights`, the per-layer
         output gradients W needs [depth, mb, ...])."""
-        res, layout = self._stored(params, c, stored, layout)
+        res, template = self._stored(params, c, stored, template)
 
         def pullback(layer_params, res_l, g):
-            d_w, dx = join_vjp(layout, layer_params, res_l)(g)
+            d_w, dx = join_vjp(template, layer_params, res_l)(g)
             return (dx, d_w) if weights else dx
 
         def skipped(layer_params, res_l, g, out):      # padding: g passes through, no weight gradient
@@ -220,12 +220,12 @@ class Stack:
         (dx, acc), kept = jax.lax.scan(body, (g, acc), (jnp.arange(self.depth), res), reverse=True)
         return dx, acc, kept
 
-    def weight(self, params, c, stored, kept, acc, *, layout: VjpLayout | None):
+    def weight(self, params, c, stored, kept, acc, *, template: VjpTemplate | None):
         """acc with chunk c's weight gradients added, from the output gradients B kept."""
-        res, layout = self._stored(params, c, stored, layout)
+        res, template = self._stored(params, c, stored, template)
 
         def weights_of(layer_params, res_l, g):
-            return join_vjp(layout, layer_params, res_l)(g)[0]
+            return join_vjp(template, layer_params, res_l)(g)[0]
 
         def body(acc, inp):
             l, res_l, g = inp
@@ -279,15 +279,15 @@ class Whole:
             return self.stage_fn(chunk, x), [x]
         return split_vjp(self.stage_fn, chunk, x)[:2]
 
-    def _pullback(self, params, c, stored, layout) -> Callable:
+    def _pullback(self, params, c, stored, template) -> Callable:
         chunk = read(params, (c,))
         if self.recompute:
             return jax.vjp(self.stage_fn, chunk, stored[0])[1]
-        return join_vjp(layout, chunk, stored)
+        return join_vjp(template, chunk, stored)
 
-    def backward(self, params, c, stored, g, acc, *, weights: bool, layout: VjpLayout | None):
-        d_chunk, dx = self._pullback(params, c, stored, layout)(g)
+    def backward(self, params, c, stored, g, acc, *, weights: bool, template: VjpTemplate | None):
+        d_chunk, dx = self._pullback(params, c, stored, template)(g)
         return dx, add(acc, (c,), d_chunk) if weights else acc, g
 
-    def weight(self, params, c, stored, kept, acc, *, layout: VjpLayout | None):
-        return add(acc, (c,), self._pullback(params, c, stored, layout)(kept)[0])
+    def weight(self, params, c, stored, kept, acc, *, template: VjpTemplate | None):
+        return add(acc, (c,), self._pullback(params, c, stored, template)(kept)[0])

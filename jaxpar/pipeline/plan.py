@@ -82,8 +82,8 @@ class Row(NamedTuple):
     res_read: int       # the slot of res that holds the residuals of B's (or W's) F
     gw_write: int       # the slot of gw where a split B keeps its output gradients for W
     dx_write: int       # the microbatch whose d loss / d inputs B gives (stage 0); m: none
-    # deliveries, {lane}_{channel}_{buffer}: the slot where that lane's output lands, by
-    # channel: local (this device's own), from_left (sent right by d - 1), from_right
+    # deliveries, {lane}_{source}_{buffer}: the slot where that lane's output lands, by
+    # source: local (this device's own), from_left (sent right by d - 1), from_right
     # (sent left by d + 1); buffer x (an activation) or g (an output gradient)
     F_local_x: int
     F_from_left_x: int
@@ -101,8 +101,8 @@ DELIVERY_FIELDS = Row._fields[FIELDS["F_local_x"]:]
 def delivery_field(lane: str, direction: str | None, buffer: str) -> str:
     """The Row field where `lane`'s output lands in `buffer` when it moves `direction`
     (right, left, or None: it stays on the device)."""
-    channel = "local" if direction is None else "from_left" if direction == "right" else "from_right"
-    return f"{lane}_{channel}_{buffer}"
+    source = "local" if direction is None else "from_left" if direction == "right" else "from_right"
+    return f"{lane}_{source}_{buffer}"
 
 
 def scope(lane: str, direction: str) -> str:
@@ -113,10 +113,11 @@ def scope(lane: str, direction: str) -> str:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
     """schedule's tables: `table[step, device, column]` (a `Row` per step and device,
-    columns `FIELDS`), slot counts, the schedule tick each step starts at; `sends` the
-    (lane, direction) channels the schedule uses and `flags[step, channel]` whether that
+    columns `FIELDS`), slot counts, the schedule tick each step starts at; `channels` the
+    (lane, direction) pairs the schedule sends on and `flags[step, channel]` whether that
     channel sends at that step; `pairs[lane, direction]` the (source, destination)
-    devices of its ppermute; `channels` the delivery fields used."""
+    devices of its ppermute; `deliveries` the delivery fields used; `n_sends` the sends
+    (`Schedule.sends`) the channels carry."""
 
     schedule: Schedule
     table: np.ndarray
@@ -124,11 +125,11 @@ class Plan:
     n_x: int
     n_g: int
     n_res: int
-    sends: tuple[tuple[str, str], ...]
+    channels: tuple[tuple[str, str], ...]
     flags: np.ndarray
     pairs: dict
-    channels: frozenset
-    transfers: int
+    deliveries: frozenset
+    n_sends: int
 
     @property
     def steps(self) -> int:
@@ -147,7 +148,7 @@ class Plan:
 
     def runs(self) -> dict[str, int]:
         """{scope of a channel's ppermute: steps in which it runs}."""
-        return {scope(*ch): int(self.flags[:, j].sum()) for j, ch in enumerate(self.sends)}
+        return {scope(*ch): int(self.flags[:, j].sum()) for j, ch in enumerate(self.channels)}
 
     def lane_runs(self, device: int, chunk: int | None = None) -> dict[str, int]:
         """{scope of LANE_SCOPES: steps in which that branch runs on pp rank `device`}
@@ -180,13 +181,13 @@ def plan(s: Schedule) -> Plan:
     write the table."""
     s.validate()
     at, ticks = _place(s)
-    deliveries, transfers = _route(s, at)
+    deliveries, sends = _route(s, at)
     slots = _allocate_slots(s, at, deliveries)
     table = _write_table(s, at, deliveries, slots, steps=len(ticks))
-    sends, flags, pairs = _channels(transfers, steps=len(ticks))
+    channels, flags, pairs = _channels(sends, steps=len(ticks))
     return Plan(schedule=s, table=table, ticks=tuple(ticks), n_x=slots.counts["x"], n_g=slots.counts["g"],
-                n_res=slots.counts["res"], sends=sends, flags=flags, pairs=pairs,
-                channels=frozenset(d.field for d in deliveries), transfers=len(transfers))
+                n_res=slots.counts["res"], channels=channels, flags=flags, pairs=pairs,
+                deliveries=frozenset(d.field for d in deliveries), n_sends=len(sends))
 
 
 # ---- the four phases ----------------------------------------------------------------------
@@ -225,8 +226,9 @@ class Delivery(NamedTuple):
     field: str               # the Row field that names its slot
 
 
-class Transfer(NamedTuple):
-    """One device's output moving to a neighbour at the end of a step."""
+class Send(NamedTuple):
+    """One device's output moving to a neighbour at the end of a step: one of
+    `Schedule.sends`, placed at its step and on its channel (lane, direction)."""
     step: int
     lane: str
     direction: str           # right: d -> d + 1 (wrapping); left: d -> d - 1
@@ -234,13 +236,13 @@ class Transfer(NamedTuple):
     destination: int
 
 
-def _route(s: Schedule, at: dict) -> tuple[list[Delivery], set[Transfer]]:
+def _route(s: Schedule, at: dict) -> tuple[list[Delivery], set[Send]]:
     """Phase 2: where every output goes. F's activation goes to the next stage's F (the
     last stage's loss gradient stays for its own B); B's input gradient to the previous
     stage's B (stage 0's goes nowhere: it is d loss / d inputs); W sends nothing. An
-    output for another device is a transfer to a neighbour."""
+    output for another device is a send to a neighbour."""
     last = s.virtual_stages - 1
-    deliveries, transfers = [], set()
+    deliveries, sends = [], set()
     for d in range(s.stages):
         for _, a in s.program(d):
             k, i = s.stage_of(d, a.chunk), a.microbatch
@@ -259,11 +261,11 @@ def _route(s: Schedule, at: dict) -> tuple[list[Delivery], set[Transfer]]:
                 right, left = receiver == (d + 1) % s.stages, receiver == (d - 1) % s.stages
                 # p = 2: both neighbours are one device; activations go right, gradients left
                 direction = "right" if right and (lane == "F" or not left) else "left"
-                transfers.add(Transfer(j, lane, direction, d, receiver))
+                sends.add(Send(j, lane, direction, d, receiver))
             consumed = at["F" if buffer == "x" else "B", i, target]
             deliveries.append(Delivery(receiver, buffer, (i, target), j, consumed,
                                        delivery_field(lane, direction, buffer)))
-    return deliveries, transfers
+    return deliveries, sends
 
 
 class Slots(NamedTuple):
@@ -343,16 +345,16 @@ def _set(row: np.ndarray, **fields: int) -> None:
         row[FIELDS[name]] = value
 
 
-def _channels(transfers: set[Transfer], *, steps: int) -> tuple[tuple, np.ndarray, dict]:
-    """The (lane, direction) channels the transfers use, sorted; flags[step, channel]:
+def _channels(sends: set[Send], *, steps: int) -> tuple[tuple, np.ndarray, dict]:
+    """The (lane, direction) channels the sends use, sorted; flags[step, channel]:
     whether any device sends on it at that step; each channel's (source, destination) pairs."""
-    sends = tuple(sorted({(t.lane, t.direction) for t in transfers}))
-    flags = np.zeros((steps, len(sends)), bool)
+    channels = tuple(sorted({(t.lane, t.direction) for t in sends}))
+    flags = np.zeros((steps, len(channels)), bool)
     pairs: dict = {}
-    for t in transfers:
-        flags[t.step, sends.index((t.lane, t.direction))] = True
+    for t in sends:
+        flags[t.step, channels.index((t.lane, t.direction))] = True
         pairs.setdefault((t.lane, t.direction), set()).add((t.source, t.destination))
-    return sends, flags, {k: tuple(sorted(v)) for k, v in pairs.items()}
+    return channels, flags, {k: tuple(sorted(v)) for k, v in pairs.items()}
 
 
 def ascii_steps(pl: Plan) -> str:

@@ -3,7 +3,7 @@
 `Program(request, plan, passes)(params, inputs, targets, first_params, last_params)` runs
 inside a shard_map over every mesh axis; `runtime.pipeline` builds that shard_map, and a
 composed training step may call the program inside its own. Shapes on one device: params
-[v, Lc, ...] (v chunks of Lc layers), inputs and targets [m, mb, ...] (m microbatches of
+[chunks, Lc, ...] (chunks of Lc layers each), inputs and targets [m, mb, ...] (m microbatches of
 mb rows), an activation [mb, ...].
 
 The scan's state is a `Carry` of named buffers. At each step a device reads its `Row` of
@@ -73,7 +73,7 @@ class Carry(NamedTuple):
     dx: jax.Array | None    # [m, mb, ...] d loss / d inputs (None: not asked for)
     first: Any              # the first-stage function's parameter gradients
     g: jax.Array            # [n_g + 1, mb, ...] output gradients (the loss's too), waiting for their B
-    grads: Any              # [v, Lc, ...] the weight gradients, accumulated in place
+    grads: Any              # [chunks, Lc, ...] the weight gradients, accumulated in place
     gw: jax.Array | None    # [n_res + 1, *kept] a split B's output gradients, until its W (None: not split)
     last: Any               # the loss's parameter gradients
     loss: jax.Array         # scalar: the loss, the microbatches' mean
@@ -108,7 +108,7 @@ class Backward(NamedTuple):
     g: jax.Array            # [mb, ...] the output gradient
     stored: list            # the residual buffers [n_res + 1, ...]; slot row.res_read holds this action's F's
     kept: jax.Array | None  # the buffer of the output gradients split Bs kept (gw), read at row.res_read
-    grads: Any              # [v, Lc, ...] the weight-gradient accumulator
+    grads: Any              # [chunks, Lc, ...] the weight-gradient accumulator
     first: Any              # the first-stage gradient accumulator
     ids: jax.Array          # [mb, ...] the microbatch's inputs (stage 0's first-stage vjp)
     entry: jax.Array        # [columns] this device's row of the step's table, one operand
@@ -154,7 +154,7 @@ class Program:
         return act, (*self.axes, *extra)
 
     def __call__(self, params, inputs, targets, first_params=None, last_params=None):
-        """params [v, Lc, ...], inputs / targets [m, mb, ...] -> (loss, grads [v, Lc, ...],
+        """params [chunks, Lc, ...], inputs / targets [m, mb, ...] -> (loss, grads [chunks, Lc, ...],
         d inputs [m, mb, ...] or None, first-stage grads, last-stage grads)."""
         tables = (jnp.asarray(self.plan.table), jnp.asarray(self.plan.flags))   # [steps, p, columns], [steps, ch]
         device = jax.lax.axis_index(PP)
@@ -192,7 +192,7 @@ class Program:
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Step:
     """The scan's body for one trace of a Program: what every step reads (the parameters
-    [v, Lc, ...], the microbatches [m, mb, ...], the Residuals F stores, this device's pp
+    [chunks, Lc, ...], the microbatches [m, mb, ...], the Residuals F stores, this device's pp
     rank) and the two lanes and the deliveries of one step."""
 
     program: Program
@@ -273,7 +273,7 @@ class _Step:
         with jax.named_scope("pipeline_B"):
             stored = [take(r, op.row.res_read) for r in op.stored]
             dx, grads, kept = self.program.passes.backward(self.params, op.row.b_chunk, stored, op.g, op.grads,
-                                                           weights=not self.split, layout=self.residuals.layout)
+                                                           weights=not self.split, template=self.residuals.template)
             on_first = op.row.dx_write < self.program.plan.schedule.microbatches
             with jax.named_scope("pipeline_first_backward"):
                 d_inputs, first = jax.lax.cond(
@@ -286,7 +286,7 @@ class _Step:
             stored = [take(r, op.row.res_read) for r in op.stored]
             kept = take(op.kept, op.row.res_read)
             grads = self.program.passes.weight(self.params, op.row.b_chunk, stored, kept, op.grads,
-                                               layout=self.residuals.layout)
+                                               template=self.residuals.template)
             return varying(self._backward_idle(op._replace(grads=grads)), self.axes)
 
     def _first_backward(self, ids, g, first_acc) -> tuple[jax.Array, Any]:
@@ -360,7 +360,7 @@ class _Step:
         through its channel's ppermute (run where the step's flags open it, the same on
         every device), or on this device."""
         plan = self.program.plan
-        for j, (lane, direction) in enumerate(plan.sends):
+        for j, (lane, direction) in enumerate(plan.channels):
             with jax.named_scope(plan_lib.scope(lane, direction)):
                 received = jax.lax.cond(
                     flags[j], lambda value, pairs=plan.pairs[lane, direction]: jax.lax.ppermute(value, PP, pairs),
@@ -375,7 +375,7 @@ class _Step:
         plan uses that delivery."""
         for buffer in ("x", "g"):
             field = plan_lib.delivery_field(lane, direction, buffer)
-            if field in self.program.plan.channels:
+            if field in self.program.plan.deliveries:
                 carry = carry._replace(**{buffer: put(getattr(carry, buffer), getattr(row, field), value)})
         return carry
 

@@ -8,12 +8,12 @@
 (`Ends`: the first and last stages' parts; `Options`: the rest; `from_keywords`, which is
 `runtime.request`, takes their fields as keywords) refuses, with a ConfigError naming the
 value, the constraint and a fix, anything the schedule cannot run on the mesh with these
-functions, shapes and specs, before anything compiles. It keeps shapes only: params, batch
+functions, shapes and pspecs, before anything compiles. It keeps shapes only: params, batch
 and the first/last params may be arrays or ShapeDtypeStructs. The request then holds what
 the checks found: the layer count, the axes the batch is split over, every PartitionSpec
 (one per leaf, the axes of one device dropped), the per-device shapes and the loss dtype.
 Two requests are equal, and hash alike, when they build the same program: the same
-schedule table, functions (by identity), shapes, dtypes, mesh, specs and options.
+schedule table, functions (by identity), shapes, dtypes, mesh, pspecs and options.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ class Request:
     unused slots start with), input_grads (whether d loss / d inputs is returned).
     Shapes (global ShapeDtypeStruct trees): params [L, ...] leaves, inputs and targets
     [B, ...], first_params and last_params (or None).
-    Specs over the non-pp axes, one PartitionSpec per leaf: param_specs (one layer,
-    without its layer axis), first_specs, last_specs, in_spec and target_spec.
-    layers_per_stage: the layers of each model stage (p*v counts in model order: uneven
+    Pspecs over the non-pp axes, one PartitionSpec per leaf: param_specs (one layer,
+    without its layer axis), first_specs, last_specs, in_pspec and target_pspec.
+    layers_per_stage: the layers of each model stage (p*chunks counts in model order: uneven
     stages when they differ; `stage_layers.layer_split`), the even split when not given.
     Found: n_layers, batch_axes (the axes of more than one device the batch is split
     over), loss_dtype, and `local`, the per-device shapes: params, first, last, one
@@ -73,8 +73,8 @@ class Request:
     param_specs: Any
     first_specs: Any
     last_specs: Any
-    in_spec: P
-    target_spec: P
+    in_pspec: P
+    target_pspec: P
     n_layers: int
     layers_per_stage: tuple[int, ...]
     batch_axes: tuple[str, ...]
@@ -88,7 +88,7 @@ class Request:
 
     @property
     def depth(self) -> int:
-        """Layers per chunk as the stage layout holds them: L / (p v), or with uneven stages
+        """Layers per chunk as the stage layout holds them: L / (p chunks), or with uneven stages
         the largest count (the others padded to it)."""
         return max(self.layers_per_stage)
 
@@ -116,10 +116,10 @@ class Request:
                  tuple(sorted(s.costs.items())), tuple(tuple(row) for row in s.actions))
         shapes = tuple(_frozen(t) for t in (self.params, self.inputs, self.targets, self.first_params,
                                             self.last_params))
-        specs = tuple(_frozen(t, spec=True) for t in (self.param_specs, self.first_specs, self.last_specs,
-                                                      self.in_spec, self.target_spec))
+        pspecs = tuple(_frozen(t, pspec=True) for t in (self.param_specs, self.first_specs, self.last_specs,
+                                                      self.in_pspec, self.target_pspec))
         return (table, self.stage_fn, self.loss_fn, self.first_fn, self.mesh, self.recompute,
-                repr(self.bubble_fill), self.input_grads, shapes, specs, self.layers_per_stage)
+                repr(self.bubble_fill), self.input_grads, shapes, pspecs, self.layers_per_stage)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Request) and self.key == other.key
@@ -128,10 +128,10 @@ class Request:
         return hash(self.key)
 
 
-def _frozen(tree, spec: bool = False) -> tuple:
-    is_p = (lambda x: isinstance(x, P)) if spec else None
+def _frozen(tree, pspec: bool = False) -> tuple:
+    is_p = (lambda x: isinstance(x, P)) if pspec else None
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_p)
-    return treedef, tuple(a if spec else (tuple(a.shape), str(a.dtype)) for a in leaves)
+    return treedef, tuple(a if pspec else (tuple(a.shape), str(a.dtype)) for a in leaves)
 
 
 def _shapes(tree):
@@ -194,8 +194,8 @@ class Options:
     over its first entry, then into microbatches. None: P("dp") when the mesh has dp."""
 
     layers_per_stage: tuple[int, ...] | None = None
-    """The layers of each of the p*v model stages, in model order, e.g. (1, 2, 2, 1):
-    uneven stages, for which stage_fn must be `layers(layer_fn)`. None: L / (p v) each."""
+    """The layers of each of the p*chunks model stages, in model order, e.g. (1, 2, 2, 1):
+    uneven stages, for which stage_fn must be `layers(layer_fn)`. None: L / (p chunks) each."""
 
 
 _ENDS = tuple(f.name for f in dataclasses.fields(Ends))
@@ -227,11 +227,11 @@ def make(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, ends: E
     layers_per_stage = _layers_per_stage(options.layers_per_stage, n_layers, schedule, stage_fn)
     batch_found = local_shapes.batch_shapes(batch, options.batch_spec, mesh, schedule.microbatches, ends.first_fn,
                                             options.input_grads)
-    param_specs, local_params = local_shapes.specs(params, options.param_specs, mesh, "param_specs", skip=1)
+    param_specs, local_params = local_shapes.pspecs(params, options.param_specs, mesh, "param_specs", skip=1)
     if ends.first_params is not None and ends.first_fn is None:
         raise ConfigError("first_params given without first_fn: give first_fn(first_params, inputs) -> activation")
-    first_specs, local_first = local_shapes.edge_specs(ends.first_params, ends.first_specs, mesh, "first_specs")
-    last_specs, local_last = local_shapes.edge_specs(ends.last_params, ends.last_specs, mesh, "last_specs")
+    first_specs, local_first = local_shapes.edge_pspecs(ends.first_params, ends.first_specs, mesh, "first_specs")
+    last_specs, local_last = local_shapes.edge_pspecs(ends.last_params, ends.last_specs, mesh, "last_specs")
     _check_options(recompute=options.recompute, bubble_fill=options.bubble_fill)
     local = dict(batch_found.local, params=local_params, first=local_first, last=local_last,
                  stage=jax.tree.map(lambda a: jax.ShapeDtypeStruct((max(layers_per_stage), *a.shape[1:]), a.dtype),
@@ -242,7 +242,7 @@ def make(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, ends: E
                    params=_shapes(params), inputs=_shapes(batch[0]), targets=_shapes(batch[1]),
                    first_params=_shapes(ends.first_params), last_params=_shapes(ends.last_params),
                    param_specs=param_specs, first_specs=first_specs, last_specs=last_specs,
-                   in_spec=batch_found.in_spec, target_spec=batch_found.target_spec, n_layers=n_layers,
+                   in_pspec=batch_found.in_pspec, target_pspec=batch_found.target_pspec, n_layers=n_layers,
                    layers_per_stage=layers_per_stage, batch_axes=batch_found.axes, loss_dtype=loss_dtype, local=local)
 
 
@@ -284,14 +284,14 @@ def _layer_count(params) -> int:
 
 
 def _layers_per_stage(layers_per_stage, n_layers: int, schedule: Schedule, stage_fn) -> tuple[int, ...]:
-    """The layers of each of the p*v model stages: the even split, refused unless p*v
+    """The layers of each of the p*chunks model stages: the even split, refused unless p*chunks
     divides L, or `layers_per_stage` checked (`stage_layers.layer_split`); uneven stages only with
     a `layers(layer_fn)` stage, whose layers the runtime can skip one by one."""
     n_stages = schedule.virtual_stages     # the model's stages: p devices x chunks each
     if layers_per_stage is None and (n_layers == 0 or n_layers % n_stages):
         raise ConfigError(f"{n_layers} layers do not split into p*v = {schedule.stages}*{schedule.chunks} = "
                           f"{n_stages} stages: use a layer count divisible by {n_stages} (at least {n_stages}), "
-                          "another p or v, or give layers_per_stage (one count per model stage, summing to "
+                          "another p or chunks, or give layers_per_stage (one count per model stage, summing to "
                           f"{n_layers})")
     counts = layer_split(layers_per_stage, n_layers, n_stages)
     if not is_even(counts) and not isinstance(stage_fn, layers):

@@ -6,7 +6,7 @@
     grads.inputs   # d loss / d inputs
 
 `params` is a pytree whose leaves stack the model's L layers on a leading axis; stage k
-of the S = p*v model stages holds layers [k*L/S, (k+1)*L/S) (or, with
+of the S = p*chunks model stages holds layers [k*L/S, (k+1)*L/S) (or, with
 `layers_per_stage=(1, 2, 2, 1)`, uneven stages: stage k the next layers_per_stage[k]
 layers; every device holds the largest count, the padding skipped), and `stage_fn(stage_params,
 x) -> y` runs them (`layers(layer_fn)` builds one whose layers run under lax.scan;
@@ -68,7 +68,7 @@ request = request_lib.from_keywords   # runtime.request(schedule, stage_fn, para
 
 class Pipeline(NamedTuple):
     """A compiled-ready pipeline step for one schedule, mesh and set of shapes: `step` maps
-    (stage params [p, v, Lc, ...] sharded over pp, inputs, targets, first params, last
+    (stage params [p, chunks, Lc, ...] sharded over pp, inputs, targets, first params, last
     params) to (loss per pp device, grads in the stage layout, input gradients per pp
     device, first- and last-stage grads per pp device); `plan` its tables;
     `layers_per_stage` the stages' layer counts when uneven (None: even), which the stage
@@ -123,9 +123,9 @@ def compiler_options(mesh) -> dict:
     return {}
 
 
-def staged(spec: P) -> P:
-    """The spec of a stage-layout leaf [p, v, Lc, ...] whose one layer is laid out as `spec`."""
-    return P(PP, None, None, *spec)
+def staged(pspec: P) -> P:
+    """The pspec of a stage-layout leaf [p, chunks, Lc, ...] whose one layer is laid out as `pspec`."""
+    return P(PP, None, None, *pspec)
 
 
 def _as_request(first, args: tuple, options: dict) -> Request:
@@ -141,7 +141,7 @@ def _as_request(first, args: tuple, options: dict) -> Request:
 class Local(NamedTuple):
     """The per-device pipeline of one request, to call inside a shard_map over every axis
     (`pipeline` wraps it; a training step wraps it with its own reductions and update):
-    program(params [v, Lc, ...], inputs [m, mb, ...], targets, first, last) -> (loss,
+    program(params [chunks, Lc, ...], inputs [m, mb, ...], targets, first, last) -> (loss,
     grads, d inputs, first grads, last grads), the gradients not yet summed over the
     batch axes (`request.batch_axes`)."""
     program: Program
@@ -171,10 +171,10 @@ def pipeline(request: Request | Schedule, *args, **options) -> Pipeline:
     built = local(request, *args, **options)
     req, plan, program, m = built.request, built.plan, built.program, built.request.schedule.microbatches
 
-    reduce = functools.partial(reduce_gradients, batch_axes=req.batch_axes)   # (grads, specs) -> summed grads
+    reduce = functools.partial(reduce_gradients, batch_axes=req.batch_axes)   # (grads, pspecs) -> summed grads
 
     def per_device(params, inputs, targets, first_params, last_params):
-        params = jax.tree.map(lambda a: a[0], params)                 # [v, Lc, ...]
+        params = jax.tree.map(lambda a: a[0], params)                 # [chunks, Lc, ...]
         loss, grads, dx, g_first, g_last = program(params, to_microbatches(inputs, m), to_microbatches(targets, m),
                                                    first_params, last_params)
         loss = jax.lax.psum(loss, req.batch_axes) if req.batch_axes else loss
@@ -184,10 +184,10 @@ def pipeline(request: Request | Schedule, *args, **options) -> Pipeline:
         lead = lambda t: jax.tree.map(lambda a: a[None], t)
         return loss[None], lead(grads), dx, lead(g_first), lead(g_last)
 
-    stage_specs = jax.tree.map(staged, req.param_specs)
-    edge = lambda specs: None if specs is None else jax.tree.map(lambda s: P(PP, *s), specs)
-    in_specs = (stage_specs, req.in_spec, req.target_spec, req.first_specs, req.last_specs)
-    out_specs = (P(PP), stage_specs, P(PP, *req.in_spec) if req.input_grads else None, edge(req.first_specs),
+    stage_pspecs = jax.tree.map(staged, req.param_specs)
+    edge = lambda pspecs: None if pspecs is None else jax.tree.map(lambda s: P(PP, *s), pspecs)
+    in_specs = (stage_pspecs, req.in_pspec, req.target_pspec, req.first_specs, req.last_specs)
+    out_specs = (P(PP), stage_pspecs, P(PP, *req.in_pspec) if req.input_grads else None, edge(req.first_specs),
                  edge(req.last_specs))
     step = jax.jit(jax.shard_map(per_device, mesh=req.mesh, in_specs=in_specs, out_specs=out_specs),
                    compiler_options=compiler_options(req.mesh))
@@ -212,7 +212,7 @@ def run(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, **option
     first_params, first_specs, last_params, last_specs) and request.Options (recompute,
     bubble_fill, input_grads, param_specs, batch_spec, layers_per_stage: uneven stages,
     e.g. (1, 2, 2, 1)). The step is built once per Request (schedule, functions, shapes,
-    dtypes, mesh, specs, options) and kept in an LRU cache of CACHE_SIZE, so a loop
+    dtypes, mesh, pspecs, options) and kept in an LRU cache of CACHE_SIZE, so a loop
     compiles once."""
     req = request(schedule, stage_fn, params, batch, mesh=mesh, **options)
     try:

@@ -3,7 +3,7 @@ the layers over the stages, and the stage functions of the lecture with the unsh
 model they are checked against (the checks a request passes: `request.py`).
 
 `params` is a pytree whose leaves stack the model's L layers on a leading axis; stage k
-of the S = p*v model stages holds layers [k*L/S, (k+1)*L/S) (uneven stages,
+of the S = p*chunks model stages holds layers [k*L/S, (k+1)*L/S) (uneven stages,
 `layers_per_stage=(1, 2, 2, 1)`: the next layers_per_stage[k] layers, every stage laid
 out as the largest count, the padding after its layers: `to_stages`), and
 `stage_fn(stage_params, x) -> y` runs them (`layers(layer_fn)` builds one from a per-layer function; y has x's
@@ -89,15 +89,15 @@ def from_microbatches(a):
 # ---- the layout of the layers over the stages ---------------------------------------------
 
 def to_stages(params, schedule: Schedule, layers_per_stage: tuple[int, ...] | None = None):
-    """[L, ...] leaves -> [p, v, Lc, ...]: entry [d, c] holds stage stage_of(d, c).
+    """[L, ...] leaves -> [p, chunks, Lc, ...]: entry [d, c] holds stage stage_of(d, c).
 
-    Even stages (layers_per_stage None, or all alike): Lc = L/(p v). Uneven stages
+    Even stages (layers_per_stage None, or all alike): Lc = L/(p chunks). Uneven stages
     (layers_per_stage: one count per model stage, checked by `stage_layers.layer_split`): Lc is the
     largest count, and a stage of fewer layers holds them first and zeros after (padding
     the runtime skips: `padded_layers`)."""
     p, chunks = schedule.stages, schedule.chunks
     if layers_per_stage is not None and not is_even(layers_per_stage):
-        index = _padded_index(schedule, layers_per_stage)       # [p, v, Lc] into the layers, L: a zero layer
+        index = _padded_index(schedule, layers_per_stage)       # [p, chunks, Lc] into the layers, L: a zero layer
         return jax.tree.map(lambda a: _padded(a, index, n_layers=sum(layers_per_stage)), params)
     for a in jax.tree.leaves(params):
         if not getattr(a, "ndim", 0) or a.shape[0] % (p * chunks):
@@ -112,13 +112,13 @@ def to_stages(params, schedule: Schedule, layers_per_stage: tuple[int, ...] | No
 
 
 def from_stages(params, schedule: Schedule, layers_per_stage: tuple[int, ...] | None = None):
-    """Inverse of to_stages: [p, v, Lc, ...] -> [L, ...] (the padding dropped)."""
+    """Inverse of to_stages: [p, chunks, Lc, ...] -> [L, ...] (the padding dropped)."""
     p, chunks = schedule.stages, schedule.chunks
     if layers_per_stage is not None and not is_even(layers_per_stage):
         flat = _padded_index(schedule, layers_per_stage).reshape(-1)
         held = flat < sum(layers_per_stage)
         real = np.empty(sum(layers_per_stage), int)
-        real[flat[held]] = np.flatnonzero(held)                  # layer j's place in the flat [p v Lc] layout
+        real[flat[held]] = np.flatnonzero(held)                  # layer j's place in the flat [p chunks Lc] layout
         return jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:])[real], params)
     inverse = np.argsort([schedule.stage_of(d, c) for d in range(p) for c in range(chunks)])
 
@@ -129,14 +129,14 @@ def from_stages(params, schedule: Schedule, layers_per_stage: tuple[int, ...] | 
 
 
 def padded_layers(schedule: Schedule, layers_per_stage: tuple[int, ...]) -> np.ndarray:
-    """int[p, v]: the layers chunk c of device d really holds (layers_per_stage of its
+    """int[p, chunks]: the layers chunk c of device d really holds (layers_per_stage of its
     model stage); its entries past that count, up to the largest, are padding."""
     return np.array([[layers_per_stage[schedule.stage_of(d, c)] for c in range(schedule.chunks)]
                      for d in range(schedule.stages)])
 
 
 def _padded_index(schedule: Schedule, layers_per_stage: tuple[int, ...]) -> np.ndarray:
-    """int[p, v, Lc]: the model layer at each place of the padded stage layout, L (one
+    """int[p, chunks, Lc]: the model layer at each place of the padded stage layout, L (one
     past the last layer: the zero layer `_padded` appends) where it is padding."""
     n_layers, depth = sum(layers_per_stage), max(layers_per_stage)
     first = np.concatenate([[0], np.cumsum(layers_per_stage)[:-1]])   # each stage's first layer
@@ -149,7 +149,7 @@ def _padded_index(schedule: Schedule, layers_per_stage: tuple[int, ...]) -> np.n
 
 
 def _padded(a, index: np.ndarray, n_layers: int):
-    """a [L, ...] laid out at `index` [p, v, Lc], index L reading a layer of zeros."""
+    """a [L, ...] laid out at `index` [p, chunks, Lc], index L reading a layer of zeros."""
     if not getattr(a, "ndim", 0) or a.shape[0] != n_layers:
         raise ConfigError(f"a params leaf of shape {tuple(getattr(a, 'shape', ()))} does not stack the "
                           f"{n_layers} layers layers_per_stage adds up to on its leading (layer) axis")

@@ -1,7 +1,7 @@
 """How many layers each model stage holds, for pipelines whose stages are uneven.
 
-A model of L layers on p*v model stages (p devices, v chunks each) holds, per stage, either
-L / (p*v) layers (the even split) or the counts `layers_per_stage` gives, one per model
+A model of L layers on p*chunks model stages (p devices, `chunks` each) holds, per stage, either
+L / (p*chunks) layers (the even split) or the counts `layers_per_stage` gives, one per model
 stage in model order, e.g. (1, 2, 2, 1): the first and last stages also run the embedding
 and the LM head, so they hold fewer layers. This module checks such counts against the
 model (`layer_split`), proposes the nearest-to-even split (`even_or_near`), tells an even
@@ -17,7 +17,7 @@ from jaxpar.errors import ConfigError, is_whole
 
 def layer_split(layers_per_stage, n_layers: int, n_stages: int, *, what: str = "layers_per_stage") -> tuple[int, ...]:
     """`layers_per_stage` checked against a model of `n_layers` layers on `n_stages` model
-    stages (p*v: one entry per model stage, in model order, whatever device holds it), as
+    stages (p*chunks: one entry per model stage, in model order, whatever device holds it), as
     a tuple of ints; None gives the even split, refused unless n_stages divides n_layers.
     E.g. (1, 2, 2, 1) for 6 layers on p = 4: the first and last stages, which also run the
     embedding and the LM head, hold fewer layers. ConfigError naming the value and a fix."""

@@ -86,7 +86,7 @@ class ModelChoice:
     """"mlp", the lecture's MLP layers, or "blocks", reference transformer blocks."""
 
     n_layers: int | None = None
-    """The layer count. None: two per model stage (2 p v)."""
+    """The layer count. None: two per model stage (2 p chunks)."""
 
     rows: int | None = None
     """The batch's rows. None: two per microbatch and dp shard (2 m dp)."""

@@ -39,7 +39,7 @@ def _better(found: tuple[float, float], score: tuple[float, float]) -> bool:
 def anneal(problem: Problem, programs: list[list[int]], score: tuple[float, float],
                   budget: Budget, rng: random.Random) -> tuple[list[list[int]], tuple[float, float]]:
     """Simulated annealing over single moves: one action of one device's order (half the
-    moves on the device with the longest span) goes up to 2 p v places away, if its own
+    moves on the device with the longest span) goes up to 2 p chunks places away, if its own
     F-B-W order holds and the device stays under the cap. A move that does not lengthen the
     step time (then the sum of spans) is kept; a longer one with probability
     exp(-increase / temperature), the temperature falling from 3% of the step time to 0 as

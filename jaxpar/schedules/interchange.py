@@ -133,7 +133,7 @@ def _cells(text: str, row: int, column: int) -> list[_Cell]:
 
 def _placement(rows: list[list[_Cell]], placement: str | None) -> tuple[int, str]:
     """(chunks per device, placement) read off the stages each row holds (`placement`, when
-    given, is checked instead; at p = 1 or v = 1 loop and v hold the same stages, and loop is
+    given, is checked instead; at p = 1 or chunks = 1 `loop` and `v` hold the same stages, and loop is
     read); a stage on two rows, a missing stage or a mapping jaxpar does not place raises
     ConfigError."""
     first: dict[int, _Cell] = {}

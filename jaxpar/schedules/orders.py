@@ -90,7 +90,7 @@ def zb_h2(p: int, m: int, v: int) -> list[list]:
 
 
 def interleaved(p: int, m: int, v: int) -> list[list]:
-    """Megatron's interleaved 1F1B: device d holds chunks 0..v-1 (stages d, p+d, ...);
+    """Megatron's interleaved 1F1B: device d holds chunks 0..chunks-1 (stages d, p+d, ...);
     forwards go in rounds of p microbatches through chunk 0, then chunk 1, ...; backwards
     likewise from the last chunk; warm-up (p-d-1)*2 + (v-1)*p forwards (m % p == 0)."""
     total = m * v
@@ -124,7 +124,7 @@ def dualpipe_v(p: int, m: int, v: int) -> list[list]:
 
     The held-back W's fill the drain as in ZB-H1, and a device keeps at most 2p
     microbatch-chunks live: 1F1B's p full-stage microbatches. Needs m >= 2p-1 (device 0
-    runs 2p-1 forwards of chunk 0 before its first B0); `v` is 2."""
+    runs 2p-1 forwards of chunk 0 before its first B0); `chunks` is 2."""
     progs = []
     for d in range(p):
         prog: list[Action] = []
@@ -170,7 +170,7 @@ def find_deadlock(programs: Sequence[Sequence[Action]], shape) -> list[tuple[int
 
     Each action waits for the one before it on its device and for the actions whose
     results it receives (`Schedule.inputs`); a receive blocks until the producer ran.
-    Iterative depth-first search, so p=8, m=32, v=4 stays well under a millisecond a node."""
+    Iterative depth-first search, so p=8, m=32, chunks=4 stays well under a millisecond a node."""
     node = {shape._key(d, a): (d, j) for d, p in enumerate(programs) for j, a in enumerate(p)}
 
     def waits_for(d: int, j: int) -> list[tuple[int, int]]:
@@ -250,7 +250,7 @@ class Kind:
     requires: Callable[[str, int, int, int], None] = _one_chunk
     bubble: str | None = None     # its closed-form bubble (formulas.BUBBLES); None: only the table's
     in_flight: str = "p"          # microbatches the first stage holds at its peak (formulas.IN_FLIGHT)
-    chunked: str | None = None    # the schedule that runs this order over v > 1 chunks per device
+    chunked: str | None = None    # the schedule that runs this order over more than one chunk per device
 
 
 REGISTRY: dict[str, Kind] = {k.name: k for k in (

@@ -164,8 +164,8 @@ LABELS = {"one_f_one_b": "1F1B", "interleaved": "1F1B-I", "zb_h1": "ZB-H1", "zb_
 
 def weight_memory(model: str) -> float:
     """M_W / M_B of `model` by Table 1: 32h / (34h + 5as)."""
-    spec = _model(model)
-    return 32 * spec.hidden / (34 * spec.hidden + 5 * spec.heads * spec.sequence)
+    m = _model(model)
+    return 32 * m.hidden / (34 * m.hidden + 5 * m.heads * m.sequence)
 
 
 def profiled_costs(model: str, microbatches: int) -> Costs:

@@ -74,7 +74,7 @@ class Schedule(stats.Statistics):
 
     Construction checks the shape of the table (ValueError, or ScheduleError when an entry
     is well formed but not an action of this schedule); `validate()` checks it can run.
-    A chunk (v > 1) is 1/v of a device's model: `costs` are ticks per action on one chunk."""
+    A chunk (chunks > 1) is 1/chunks of a device's model: `costs` are ticks per action on one chunk."""
 
     name: str
     stages: int
@@ -134,7 +134,7 @@ class Schedule(stats.Statistics):
         return stage % self.stages, stage // self.stages
 
     def cost(self, action: Action) -> int:
-        """Ticks `action` occupies (on one chunk: 1/v of a stage's work); a W without the
+        """Ticks `action` occupies (on one chunk: 1/chunks of a stage's work); a W without the
         split, which construction rejects, draws as one tick in the error's timeline."""
         return self.costs.get(action.kind, 1)
 
@@ -281,8 +281,9 @@ def check_sizes(stages, microbatches, chunks) -> None:
 
 
 def units(chunks: int) -> dict[str, str]:
-    """What the figures count: with v chunks per device, an action runs on one chunk, 1/v
-    of a stage, so ticks and live activations are chunk-sized; divide by v for stages."""
+    """What the figures count: with several chunks per device, an action runs on one chunk,
+    1/chunks of a stage, so ticks and live activations are chunk-sized; divide by chunks for
+    stages."""
     if chunks == 1:
         return {"time": "ticks (costs per action on a whole stage)", "peaks": "microbatches"}
     return {"time": f"ticks (costs per action on one chunk, 1/{chunks} of a stage; stage_time = "

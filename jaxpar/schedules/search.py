@@ -9,7 +9,7 @@ backward split into B and W, with a small bubble:
 
   seeds     (`seeds.py`) the published orders that fit the cap (1F1B with W after B,
             ZB-H1, ZB-H2, DualPipe-V / ZB-V) and one microbatch's block repeated at a
-            fixed interval (the order of least memory: Qi et al. 2024's V-Min at v = 2);
+            fixed interval (the order of least memory: Qi et al. 2024's V-Min at chunks = 2);
   greedy    (`greedy.py`) a list scheduler after Qi et al.'s heuristic, under several
             policies: the device free first takes a B whose input has arrived, else an F
             if memory allows and its warm-up wants it, else a W that fills the gap,

@@ -3,7 +3,7 @@ seeds and moves are scored by (`search.py` is the search; `seeds.py`, `greedy.py
 `annealing.py` make and improve the orders).
 
 An action is a node: node = (kind * S + stage) * m + microbatch, with kind F=0, B=1, W=2
-and S = p * v model stages. A device's order is a list of nodes; `device_spans` times the
+and S = p * chunks model stages. A device's order is a list of nodes; `device_spans` times the
 orders as `timing.timed` does (each action at the earliest time its device is free and
 its inputs have arrived, plus comm across devices) and `fits` checks a device's live
 memory against the cap.
@@ -40,7 +40,7 @@ TOLERANCE = 1e-9
 class Problem:
     """One search's sizes and costs as flat lists indexed by action (node).
 
-    node = (kind * S + stage) * m + microbatch, S = p * v model stages; `device[node]`,
+    node = (kind * S + stage) * m + microbatch, S = p * chunks model stages; `device[node]`,
     `duration[node]`, `memory[node]` (what the action adds to its device's live memory,
     M_B units; negative for B and W) and `inputs[node]` = ((node, delay), ...): the
     actions it waits for, delay = comm when the input crosses devices."""

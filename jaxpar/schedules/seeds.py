@@ -1,7 +1,7 @@
 """The schedule search's fixed seeds (`search.py`): the published orders that fit the cap
 (1F1B with W after B, ZB-H1, ZB-H2, DualPipe-V / ZB-V, one microbatch at a time) and one
 microbatch's block repeated at a fixed interval (modulo scheduling: the order of least
-memory, Qi et al. 2024's V-Min at v = 2). The greedy list scheduler's seeds are in
+memory, Qi et al. 2024's V-Min at chunks = 2). The greedy list scheduler's seeds are in
 `greedy.py`.
 
 Pure Python: no JAX, no numpy.
@@ -61,7 +61,7 @@ def repeated_block(problem: Problem) -> list[list[int]] | None:
     free at that time modulo the interval, the F's and B's first, then each W at the first
     room after its B. The interval starts at the busiest device's work for one microbatch and grows until the
     block fits. Each microbatch's activations live only as long as its block, so this
-    is the order of least memory (V-Min's, at v = 2); None if no interval up to twice the
+    is the order of least memory (V-Min's, at chunks = 2); None if no interval up to twice the
     work fits."""
     total, m = problem.model_stages, problem.microbatches
     work = [0.0] * problem.stages

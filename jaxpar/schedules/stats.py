@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 
 class Send(NamedTuple):
-    """A point-to-point transfer: the output of F (activation, to the next stage) or of B
+    """A point-to-point send: the output of F (activation, to the next stage) or of B
     (input gradient, to the previous stage) of `microbatch`, ready at `tick` on `src`
     (chunk `chunk`) and consumed from `needed_at` on `dst` (chunk `dst_chunk`)."""
 
@@ -69,8 +69,8 @@ class Statistics:
 
     @functools.cached_property
     def peak_activations(self) -> list[int]:
-        """Per device, the most microbatch-chunks live at once (microbatches when v = 1; a
-        chunk's activation is 1/v of a stage's), from the start of its F to the end of its B
+        """Per device, the most microbatch-chunks live at once (microbatches when chunks = 1; a
+        chunk's activation is 1/chunks of a stage's), from the start of its F to the end of its B
         (input gradient)."""
         return self._peak("B")
 

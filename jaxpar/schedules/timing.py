@@ -13,8 +13,8 @@ the input was made on another device; a send occupies neither device (Qi et al. 
 search and in the bubble rates of their Table 5, which `published.py` holds and this
 timing reproduces).
 
-With v > 1 chunks per device, each action runs on one chunk, and the costs given are
-per action on one chunk (1/v of a device's share of the model when stages are even).
+With more than one chunk per device, each action runs on one chunk, and the costs given are
+per action on one chunk (1/chunks of a device's share of the model when stages are even).
 
 The bubble rate is Qi et al.'s (section 5.3): (cost - m(F+B+W)) / cost, where cost is
 "the largest execution time of all stages", each device from its first start to its
@@ -91,15 +91,15 @@ class Costs:
     """Time per action and memory per action, for `timed`.
 
     F, B, W      time of one forward, input-gradient backward and weight-gradient action
-                 on one model stage (on one chunk when v > 1): one float for every stage,
-                 or a tuple with one float per model stage (p * v of them, in model order)
+                 on one model stage (on one chunk when chunks > 1): one float for every stage,
+                 or a tuple with one float per model stage (p * chunks of them, in model order)
                  for uneven stages. For a schedule that does not split the backward, a
                  B action computes both gradients and takes B + W.
     comm         latency of every activation and input gradient that crosses devices; it
                  occupies neither device (a hand-over between chunks of one device is free).
     activation   memory one microbatch's forward leaves on a device's whole share of the
                  model, in M_B units (1.0: Qi et al.'s M_B); one number is split evenly
-                 over the chunks (1/v per chunk), a tuple gives each model stage its own.
+                 over the chunks (1/chunks per chunk), a tuple gives each model stage its own.
     weight_memory  M_W / M_B: the fraction of an F's activation that B keeps for W (the
                  rest B frees); between 0 and 1. Without the backward split B frees all."""
 
@@ -157,7 +157,7 @@ class Costs:
         return value[stage] if isinstance(value, tuple) else value
 
     def check_stages(self, virtual_stages: int) -> None:
-        """Refuse a per-stage tuple whose length is not the schedule's model stages (p * v)."""
+        """Refuse a per-stage tuple whose length is not the schedule's model stages (p * chunks)."""
         for name in ("F", "B", "W", "activation"):
             value = getattr(self, name)
             if isinstance(value, tuple) and len(value) != virtual_stages:

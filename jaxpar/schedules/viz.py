@@ -50,7 +50,7 @@ def _label(s) -> tuple[str, int]:
 
 
 def timeline_rows(s) -> list[str]:
-    """One row per stage (per device, plus a chunk row, when v > 1)."""
+    """One row per stage (per device, plus a chunk row, when chunks > 1)."""
     word, width = _label(s)
     rows = []
     for d in range(s.stages):

@@ -48,16 +48,16 @@ from jaxpar.tensor.formulas import block_param_shapes
 from jaxpar.tensor.layers import block_shard
 
 
-def without_axis(specs, axis: str):
+def without_axis(pspecs, axis: str):
     """A frozen dataclass of PartitionSpecs (TPSpecs, vocab.VocabSpecs) with `axis` taken
-    out of every spec, its dimensions left unsplit."""
-    def drop(spec: P) -> P:
+    out of every pspec, its dimensions left unsplit."""
+    def drop(pspec: P) -> P:
         entries = []
-        for e in spec:
+        for e in pspec:
             kept = tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a is not None and a != axis)
             entries.append(kept if len(kept) > 1 else kept[0] if kept else None)
         return P(*entries)
-    return dataclasses.replace(specs, **{f.name: drop(getattr(specs, f.name)) for f in dataclasses.fields(specs)})
+    return dataclasses.replace(pspecs, **{f.name: drop(getattr(pspecs, f.name)) for f in dataclasses.fields(pspecs)})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,9 +94,9 @@ class TPSpecs:
         """Megatron's layout on a mesh: `named`, the activations' batch over `data_axis`
         and, with sequence_parallel, their tokens over tp. With tp = 1 nothing is split
         (XLA would keep collectives over a size-1 axis)."""
-        specs = cls.named(n_kv_heads=n_kv_heads, tp=tp)
-        specs = specs if tp > 1 else without_axis(specs, TP)
-        return dataclasses.replace(specs, act_btd=P(data_axis, TP if sequence_parallel and tp > 1 else None, None))
+        pspecs = cls.named(n_kv_heads=n_kv_heads, tp=tp)
+        pspecs = pspecs if tp > 1 else without_axis(pspecs, TP)
+        return dataclasses.replace(pspecs, act_btd=P(data_axis, TP if sequence_parallel and tp > 1 else None, None))
 
     def params(self, p: dict) -> dict:
         """The in_specs for a block's param dict (the keys it has)."""
@@ -184,9 +184,9 @@ def tp_block(params: dict, x, *, mesh: Mesh, cfg: reference.ModelConfig,
     t, dp = axis_size(mesh, TP), axis_size(mesh, DP)
     validate_tp(cfg, t, seq_len=x.shape[1], sequence_parallel=sequence_parallel)
     validate_batch(x.shape[0], mesh)
-    specs = TPSpecs.megatron(n_kv_heads=cfg.n_kv_heads, tp=t, sequence_parallel=sequence_parallel,
-                             data_axis=DP if dp > 1 else None)
+    pspecs = TPSpecs.megatron(n_kv_heads=cfg.n_kv_heads, tp=t, sequence_parallel=sequence_parallel,
+                              data_axis=DP if dp > 1 else None)
     body = partial(block_shard, cfg=cfg, axis=TP, sequence_parallel=sequence_parallel)
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(specs.params(params), specs.act_btd),
-                       out_specs=specs.act_btd)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(pspecs.params(params), pspecs.act_btd),
+                       out_specs=pspecs.act_btd)
     return fn(params, x)

@@ -6,7 +6,7 @@
     nnx_model   LanguageModel: the same parameters as a flax NNX module with that layout as
                 partition metadata (a view for NNX users; the trainer runs plain dicts)
     step        Trainer: ONE jitted step, one shard_map over every axis (pipeline, one
-                gradient reduction or ZeRO-1, global-norm clipping, AdamW)
+                gradient reduction or ZeRO-1/2/3, global-norm clipping, AdamW)
     unsharded   the same step on one device, plain jit: what every parity check compares with
     balance     MoE load balancing: the per-sequence balance loss inside the stages, the
                 loads for DeepSeek-V3's router bias

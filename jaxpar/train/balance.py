@@ -162,7 +162,7 @@ def moe_balance(y, p: dict, routing: router.Routing, *, cfg: reference.ModelConf
 # ---- the step -----------------------------------------------------------------------------
 
 def slots(blocks: dict, cfg: reference.ModelConfig, tp: int, dtype):
-    """The zero statistics leaf [v, Lc, E + 1] for per-device blocks [v, Lc, ...], typed
+    """The zero statistics leaf [chunks, Lc, E + 1] for per-device blocks [chunks, Lc, ...], typed
     varying over tp (each tp rank hands back its own; summed once, after the step)."""
     v, depth = blocks["attn_norm"].shape[:2]
     zeros = jnp.zeros((v, depth, cfg.n_experts + 1), stats_dtype(dtype))

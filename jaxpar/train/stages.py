@@ -4,7 +4,7 @@
 each stage is `tensor.layers.block_shard` over tp (Megatron's f and g inside), the first
 stage's function is the vocab-parallel embedding of the token ids, and the last stage's
 loss is the LM head and the vocab-parallel cross-entropy, each with its own parameters
-and gradients, as Megatron places them. `specs` says how every parameter is split over
+and gradients, as Megatron places them. `pspecs` says how every parameter is split over
 tp; the runtime sums the gradients over dp once, at the end.
 
     loss, grads = pp_tp_loss(params, tokens, mesh=mesh, cfg=cfg, schedule=s)
@@ -44,9 +44,9 @@ def stage_fns(cfg: reference.ModelConfig):
     return stage, embed, functools.partial(_head_loss, eps=cfg.norm_eps)
 
 
-def specs(cfg: reference.ModelConfig, mesh) -> tuple[dict, dict, dict]:
-    """(param_specs of one block, first_specs, last_specs): Megatron's layout over tp
-    (the tensor package's TPSpecs and VocabSpecs)."""
+def pspecs(cfg: reference.ModelConfig, mesh) -> tuple[dict, dict, dict]:
+    """(the pspecs of one block, of the first stage's params, of the last stage's):
+    Megatron's layout over tp (the tensor package's TPSpecs and VocabSpecs)."""
     tp = axis_size(mesh, TP)
     vocab = VocabSpecs.megatron(tp=tp)
     block = TPSpecs.megatron(n_kv_heads=cfg.n_kv_heads, tp=tp).params(block_param_shapes(cfg))
@@ -69,12 +69,12 @@ def arguments(params: dict, tokens, *, mesh, cfg: reference.ModelConfig) -> tupl
     errors.divisible("vocab", cfg.vocab, "tp", axis_size(mesh, TP), why="each tp device holds vocab/tp rows of the "
                      "embedding and columns of the LM head", fix="a vocabulary padded to a multiple of tp")
     stage, first_fn, loss_fn = stage_fns(cfg)
-    param_specs, first_specs, last_specs = specs(cfg, mesh)
+    param_pspecs, first_pspecs, last_pspecs = pspecs(cfg, mesh)
     parts = split(params)
     blocks, first, last = parts["blocks"], parts["first"], parts["last"]
     return stage, blocks, (tokens[:, :-1], tokens[:, 1:]), dict(
-        mesh=mesh, loss_fn=loss_fn, param_specs=param_specs, first_fn=first_fn, first_params=first,
-        first_specs=first_specs, last_params=last, last_specs=last_specs)
+        mesh=mesh, loss_fn=loss_fn, param_specs=param_pspecs, first_fn=first_fn, first_params=first,
+        first_specs=first_pspecs, last_params=last, last_specs=last_pspecs)
 
 
 def pp_tp_loss(params: dict, tokens, *, mesh, cfg: reference.ModelConfig, schedule: Schedule):

@@ -57,7 +57,7 @@ def _weights(trainer) -> list:
 
 def expected_reductions(trainer) -> dict[int, float]:
     """{group size: bytes} of the step's all-reduces outside the pipeline loop: the
-    gradients' (`data.formulas.reduction_bytes`: each over the batch axes its spec does
+    gradients' (`data.formulas.reduction_bytes`: each over the batch axes its pspec does
     not split, the embedding's and the head's also over pp; under ZeRO-1 the dp part is
     `expected_zero`'s), the norm's one scalar per weight (over the axes it is split over,
     and dp under ZeRO-1), the loss, and load balancing's statistics."""
@@ -121,7 +121,7 @@ def expected_zero3_by_rank(trainer) -> dict[int, dict[str, float]]:
                microbatch loop: the weights are invariant in it), gathered again in the
                backward and reduce-scattered once per microbatch;
       pp > 1   per run of a branch on that rank (`Plan.lane_runs`), a chunk's layers
-               (1/v of the rank's blocks): gathered in each F, again in each B (which
+               (1/chunks of the rank's blocks): gathered in each F, again in each B (which
                reads the weights for dL/dx), reduce-scattered in each B, or in each W where
                the schedule splits the backward (W runs the layer's pullback as well, which
                gathers again the weights it reads: the count includes it, though dL/dW

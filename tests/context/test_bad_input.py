@@ -27,7 +27,7 @@ RING = [
     (dict(dtype=jnp.int32), {}, "must be floating point"),
     ({}, dict(layout="striped"), "layout='striped'"),
     ({}, dict(causal=1), "causal=1"),
-    ({}, dict(permute="yes"), "permute='yes'"),
+    ({}, dict(relayout="yes"), "relayout='yes'"),
 ]
 
 

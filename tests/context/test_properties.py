@@ -34,7 +34,7 @@ def cases(draw):
     seq = pieces * draw(st.sampled_from([2, 3, 1]))
     sizes = dict(dp=dp, cp=cp) | (dict(ucp=ucp) if method == "hybrid" else {})
     return dict(method=method, sizes=sizes, layout=layout, causal=draw(st.booleans()),
-                permute=draw(st.booleans()), batch_size=dp * draw(st.sampled_from([1, 2])), seq_len=seq,
+                relayout=draw(st.booleans()), batch_size=dp * draw(st.sampled_from([1, 2])), seq_len=seq,
                 n_heads=n_heads, n_kv_heads=kv, head_dim=draw(st.sampled_from([2, 4, 8])),
                 seed=draw(st.integers(0, 100)), chunk=draw(st.sampled_from([1, 2, 3, 128])))
 

@@ -18,7 +18,7 @@ from jaxpar.context import blockwise, ring, zigzag
 from jaxpar.context.verify import AttentionCase, attention_inputs, run_attention
 from jaxpar.testing import assert_close, max_abs_diff, tolerance, value_and_grads
 
-# (dp, cp, layout, causal, n_kv_heads, permute)
+# (dp, cp, layout, causal, n_kv_heads, relayout)
 CASES = [
     (8, 1, "contiguous", True, 8, True),
     (4, 2, "zigzag", True, 2, True),
@@ -32,9 +32,9 @@ CASES = [
 
 
 @functools.cache
-def _run(dp, cp, layout, causal, kv, permute):
+def _run(dp, cp, layout, causal, kv, relayout):
     return run_attention("ring", mesh_lib.make_mesh(dp=dp, cp=cp),
-                         AttentionCase(causal=causal, layout=layout, permute=permute, batch_size=8, seq_len=32,
+                         AttentionCase(causal=causal, layout=layout, relayout=relayout, batch_size=8, seq_len=32,
                                        n_kv_heads=kv))
 
 
@@ -174,11 +174,11 @@ def test_relayout_moves_rank_coded_tokens_exactly(cp):
     m = mesh_lib.make_mesh(dp=8 // cp, cp=cp)
     T = 4 * cp
     x = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :, None], (8 // cp, T, 3))
-    spec = P("dp", "cp")
+    pspec = P("dp", "cp")
     there = jax.jit(jax.shard_map(lambda a: ring.relayout_shard(a, axis="cp", layout="zigzag", seq_dim=1),
-                                  mesh=m, in_specs=spec, out_specs=spec))
+                                  mesh=m, in_specs=pspec, out_specs=pspec))
     back = jax.jit(jax.shard_map(lambda a: ring.relayout_shard(a, axis="cp", layout="zigzag", inverse=True, seq_dim=1),
-                                 mesh=m, in_specs=spec, out_specs=spec))
+                                 mesh=m, in_specs=pspec, out_specs=pspec))
     y = there(x)
     np.testing.assert_array_equal(y, zigzag.to_layout(x, cp, "zigzag"))
     np.testing.assert_array_equal(back(y), x)

@@ -42,7 +42,7 @@ def test_ulysses_matches_reference_and_formula(case):
     assert run.backward.get("all-to-all", (0, 0))[0] == (4 if cp > 1 else 0)
 
 
-# (mesh sizes, layout, n_kv_heads, permute)
+# (mesh sizes, layout, n_kv_heads, relayout)
 HYBRID = [
     (dict(dp=2, cp=2, ucp=2), "zigzag", 2, True),
     (dict(cp=2, ucp=4), "zigzag", 8, False),
@@ -53,11 +53,11 @@ HYBRID = [
 ]
 
 
-@pytest.mark.parametrize("sizes, layout, kv, permute", HYBRID, ids=str)
-def test_hybrid_matches_reference_and_formula(sizes, layout, kv, permute):
+@pytest.mark.parametrize("sizes, layout, kv, relayout", HYBRID, ids=str)
+def test_hybrid_matches_reference_and_formula(sizes, layout, kv, relayout):
     dp = sizes.get("dp", 1)
     run = run_attention("hybrid", mesh_lib.make_mesh(**sizes),
-                        AttentionCase(layout=layout, permute=permute, batch_size=2 * dp, n_kv_heads=kv))
+                        AttentionCase(layout=layout, relayout=relayout, batch_size=2 * dp, n_kv_heads=kv))
     assert_close(run.out, run.ref)
     assert run.forward == run.formula_forward and run.backward == run.formula_backward
 

@@ -146,7 +146,7 @@ def test_fused_gathers_are_the_per_weight_ones_exactly_in_one_collective_per_gro
         w = {"a": rank_coded((8, 4), jnp.float32, 0), "b": rank_coded((3, 8 * tp, 2), jnp.float32, 1),
              "c": rank_coded((4, 8), jnp.float64, 2), "d": rank_coded((2, 8), jnp.float32, 3),
              "v": rank_coded((4,), jnp.float32, 4)}
-        specs = {"a": P("dp"), "b": P(None, ("tp", "dp")), "c": P(None, "dp"), "d": P(None, "dp"), "v": P()}
+        pspecs = {"a": P("dp"), "b": P(None, ("tp", "dp")), "c": P(None, "dp"), "d": P(None, "dp"), "v": P()}
         dims = {"a": 0, "b": 1, "c": 1, "d": 1, "v": -1} if dp > 1 else dict.fromkeys(w, -1)   # as zero.plan
 
         # two outputs, each held to its own dtype's rule: y32 from the float32 weights (and h),
@@ -167,7 +167,7 @@ def test_fused_gathers_are_the_per_weight_ones_exactly_in_one_collective_per_gro
 
         x = jnp.linspace(-1, 1, 2 * dp * 8).reshape(2 * dp, 8).astype(jnp.float32)
         run = {fuse: jax.jit(jax.shard_map(lambda s, x, fuse=fuse: per_device(s, x, fuse), mesh=m,
-                                           in_specs=(specs, P("dp")), out_specs=(P(), specs, P("dp"))))
+                                           in_specs=(pspecs, P("dp")), out_specs=(P(), pspecs, P("dp"))))
                for fuse in (False, True)}
         (out, grads, dx), (fused_out, fused_grads, fused_dx) = run[False](w, x), run[True](w, x)
 

@@ -1,7 +1,7 @@
 """The grouped dropless path (expert/grouped.py) against reference.moe: output, input
 gradient, router gradient and every expert's gradient, for GeLU and SwiGLU, E 2-16, top-k
 1, 2, k < E and k = E, softmax and sigmoid routers (with the selection bias), one device
-and dp = 2; float64 near 1e-12; drawn cases (hypothesis); the layout by hand; when it is
+and dp = 2; float64 near 1e-12; drawn cases (hypothesis); the block slots by hand; when it is
 chosen (`MoEOptions.grouped`); and that it does the routed work, not the padded buffer's."""
 
 import jax
@@ -98,10 +98,10 @@ def test_grouped_matches_the_reference_for_drawn_cases(case):
     # sizes 4, 2, 2 -> runs of 4, 2, 2: four blocks filled, the fifth (rows 8, 9) empty
     ([[0, 1], [0, 2], [0, 1], [0, 2]], [[0, 4], [1, 6], [2, 5], [3, 7]], [0, 0, 1, 2, 2]),
 ])
-def test_layout_by_hand(experts, slot, block_expert):
+def test_block_slots_by_hand(experts, slot, block_expert):
     """t=4, k=2, E=3, blocks of 2 rows: each expert's rows one run in token order, rounded
     up to whole blocks; (t*k + E*(b-1)) // b = 5 blocks, the bound."""
-    got_slot, got_blocks, sizes = grouped.layout(jnp.array(experts, jnp.int32), 3, 2)
+    got_slot, got_blocks, sizes = grouped.block_slots(jnp.array(experts, jnp.int32), 3, 2)
     np.testing.assert_array_equal(got_slot, slot)
     np.testing.assert_array_equal(got_blocks, block_expert)
     np.testing.assert_array_equal(sizes, np.bincount(np.ravel(experts), minlength=3))

@@ -59,13 +59,13 @@ def traced_split(fn, params, x) -> dict:
     found = {}
 
     def run(params, x):
-        y, stored, layout = passes.split_vjp(fn, params, x)
+        y, stored, template = passes.split_vjp(fn, params, x)
         weights = jax.tree.leaves(params)
         is_param = lambda a: any(a is w for w in weights)
         found["stored"] = [(a.shape, is_param(a)) for a in stored]
         found["in_pullback"] = sum(map(is_param, jax.tree.leaves(jax.vjp(fn, params, x)[1])))
         g = jnp.ones_like(y)
-        return passes.join_vjp(layout, params, stored)(g), jax.vjp(fn, params, x)[1](g)
+        return passes.join_vjp(template, params, stored)(g), jax.vjp(fn, params, x)[1](g)
 
     found["rebuilt"], found["reference"] = jax.jit(run)(params, x)
     return found
@@ -84,7 +84,7 @@ def test_stored_residuals_exclude_the_parameters(kind):
 
 def stored_bytes(rows: int, width: int = WIDTH) -> int:
     """Bytes a 2-layer MLP Stack's F stores for a microbatch of `rows` (Stack.learn)."""
-    params = jax.tree.map(lambda a: a.reshape(1, 2, *a.shape[1:]), stage.mlp_params(2, width))   # [v, Lc, ...]
+    params = jax.tree.map(lambda a: a.reshape(1, 2, *a.shape[1:]), stage.mlp_params(2, width))   # [chunks, Lc, ...]
     learned = passes.Stack(stage.mlp_layer, depth=2, recompute=False).learn(params, jnp.zeros((rows, width)))
     return sum(a.size * a.dtype.itemsize for a in learned.stored)
 

@@ -10,7 +10,7 @@ the schedule it executes.
 * collectives: the compiled collective-permutes against oracles written from the
   definitions (tests/oracles.py), never from the plan: how many run (the runtime's
   lockstep steps; by hand GPipe 2(m+p-2), naive 2m(p-1), the baseline 2(m+p-1)), between
-  which devices (each crossing stage boundary, forward and back), and the transfers they
+  which devices (each crossing stage boundary, forward and back), and the sends they
   carry (2m per crossing boundary); the plan keeps as many residual slots as the peak;
 * ValueError, before anything is compiled, for input that does not fit;
 * to_stages / from_stages for both placements, and a hypothesis property over drawn cases.
@@ -137,7 +137,7 @@ def program_key(s: schedule.Schedule) -> tuple:
     with equal keys compile to the same program."""
     plan = plan_lib.plan(s)
     return (s.stages, s.microbatches, s.chunks, s.placement, s.split_backward, plan.table.shape, plan.table.tobytes(),
-            plan.sends, plan.flags.tobytes(), tuple(sorted(plan.pairs.items())), plan.channels,
+            plan.channels, plan.flags.tobytes(), tuple(sorted(plan.pairs.items())), plan.deliveries,
             plan.n_x, plan.n_g, plan.n_res)
 
 
@@ -304,7 +304,7 @@ def test_gpipe_baseline_error_on_dp_x_pp():
     assert verify.gpipe_baseline_error(p=2, m=4, dp=2) < 1e-5
 
 
-# ---- the plan: every transfer carried, residual slots = the schedule's peak -----------------
+# ---- the plan: every send carried, residual slots = the schedule's peak -----------------
 
 PLAN_CASES = [(name, p, m) for name in schedule.KNOWN for p in (1, 2, 3, 4) for m in range(1, 9)
               if rejection(name, p, m) is None]
@@ -317,7 +317,7 @@ def test_plan_carries_every_send_in_peak_residual_slots(name):
     for _, p, m in drawn:
         s = schedule.make(name, stages=p, microbatches=m)
         plan = plan_lib.plan(s)
-        assert plan.transfers == len(s.sends) == oracles.sends(name, p, m, s.chunks), (name, p, m)
+        assert plan.n_sends == len(s.sends) == oracles.sends(name, p, m, s.chunks), (name, p, m)
         assert plan.permutes == oracles.lockstep_permutes(s), (name, p, m)
         assert {k: set(v) for k, v in plan.pairs.items()} == oracles.channel_pairs(name, p, s.chunks), (name, p, m)
         assert plan.n_res == max(s.peak_in_flight), (name, p, m)
@@ -333,13 +333,13 @@ def test_plan_carries_every_send_in_peak_residual_slots(name):
 def test_plan_counts_by_hand():
     assert plan_lib.plan(schedule.make("1f1b", stages=4, microbatches=8)).permutes == 29
     assert plan_lib.plan(schedule.make("gpipe", stages=4, microbatches=8)).permutes == 20
-    # transfers by hand: 2m(p-1) (ZB: W sends nothing), 2m(pv-1) interleaved, 2m(2p-2) for the V
+    # sends by hand: 2m(p-1) (ZB: W sends nothing), 2m(pv-1) interleaved, 2m(2p-2) for the V
     for name, p, m, v, hand in (("zb-h1", 4, 8, 1, 48), ("zb-h2", 3, 5, 1, 20), ("interleaved", 4, 8, 2, 112),
                                 ("interleaved", 2, 4, 3, 40), ("dualpipe-v", 4, 8, 1, 96), ("dualpipe-v", 2, 3, 1, 12),
                                 ("dualpipe-v", 1, 1, 1, 0)):
         assert oracles.sends(name, p, m, v) == hand
         s = schedule.make(name, stages=p, microbatches=m, chunks=v if v > 1 else None)
-        assert plan_lib.plan(s).transfers == hand
+        assert plan_lib.plan(s).n_sends == hand
     for p in (2, 3, 4, 5):
         for m in (1, 2, 3, 4, 7, 8):
             for name in ("gpipe", "naive"):
@@ -401,12 +401,12 @@ def test_mesh_axes_and_specs_are_checked(no_compile):
     mm = pp_mesh(2, tp=2)
     run = lambda **kw: runtime.run(s, fn, params, batch, mesh=mm, **kw)
     cases = [
-        (dict(param_specs={"w": P(None, "cp"), "b": P()}), r"param_specs: the spec .* names axis 'cp'; the mesh has"),
+        (dict(param_specs={"w": P(None, "cp"), "b": P()}), r"param_specs: the pspec .* names axis 'cp'; the mesh has"),
         (dict(param_specs={"w": P("pp"), "b": P()}), r"names axis 'pp'.*pp is the pipeline's own"),
         (dict(param_specs={"w": P()}), r"param_specs has the structure .*: give one PartitionSpec per array"),
         (dict(param_specs={"w": P(), "b": P(None, "tp")}), r"names 2 dimensions, the array has 1 after its layer axis"),
-        (dict(param_specs={"w": "tp", "b": P()}), r"the spec 'tp' is a str, not a jax.sharding.PartitionSpec"),
-        (dict(batch_spec=P("tp", None, None)), r"batch_spec for the inputs: the spec .* names 3 dimensions"),
+        (dict(param_specs={"w": "tp", "b": P()}), r"the pspec 'tp' is a str, not a jax.sharding.PartitionSpec"),
+        (dict(batch_spec=P("tp", None, None)), r"batch_spec for the inputs: the pspec .* names 3 dimensions"),
         (dict(first_params={"e": jnp.ones(3)}), r"first_params given without first_fn"),
         (dict(first_fn=lambda p, x: x, first_params={"e": jnp.ones(3)}, input_grads="no"),
          r"input_grads='no' is a str: give True or False"),

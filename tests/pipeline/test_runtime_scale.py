@@ -121,7 +121,7 @@ def test_guarded_permutes_are_counted_exactly():
     pipe = runtime.pipeline(s, stage.mlp_stage, params, batch, mesh=pp_mesh(4))
     ops = comms.collective_ops(pipe.step, runtime.to_stages(params, s), *batch, None, None)
     permutes = [o for o in ops if o.kind == "collective-permute"]
-    assert len(permutes) == len(pipe.plan.sends) == 2 and all(o.conditional for o in permutes)
+    assert len(permutes) == len(pipe.plan.channels) == 2 and all(o.conditional for o in permutes)
     assert all(o.executions == pipe.plan.steps for o in permutes)
     exact = comms.summarize(comms.resolve(ops, pipe.plan.runs()))["collective-permute"]
     assert exact["count"] == pipe.plan.permutes == 29 and exact["in_conditional"] == 0

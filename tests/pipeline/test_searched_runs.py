@@ -80,7 +80,7 @@ def test_searched_plan_carries_its_sends_in_peak_slots(case):
     assert max(s.timing.peak_memory) <= s.memory_cap == case[5]
     plan = plan_lib.plan(s)
     name = oracle_name(s)
-    assert plan.transfers == len(s.sends) == oracles.sends(name, s.stages, s.microbatches, s.chunks)
+    assert plan.n_sends == len(s.sends) == oracles.sends(name, s.stages, s.microbatches, s.chunks)
     assert plan.permutes == oracles.lockstep_permutes(dataclasses.replace(s, name=name))
     assert {k: set(v) for k, v in plan.pairs.items()} == oracles.channel_pairs(name, s.stages, s.chunks)
     assert plan.n_res == max(s.peak_in_flight)

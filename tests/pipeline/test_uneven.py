@@ -106,7 +106,7 @@ def test_uneven_stages_with_first_and_last_functions_on_dp_pp():
 
 def _stored_shapes(counts, depth):
     """The ShapeDtypeStructs of what F stores for one microbatch, learned inside a
-    shard_map over pp=2 (Stack.learn), with `counts` [p][v] (None: even stages)."""
+    shard_map over pp=2 (Stack.learn), with `counts` [p][chunks] (None: even stages)."""
     mesh = mesh_lib.make_mesh(pp=2, devices=jax.devices()[:2])
     found = []
 

@@ -130,7 +130,7 @@ def _problem(p: int, m: int, v: int, placement: str, costs: Costs) -> dict:
     device s mod p (loop: Megatron's interleaving), or s for s < p and 2p - 1 - s after
     (the V); F(s, i) waits for F(s-1, i), B(s, i) for F(s, i) and B(s+1, i), W(s, i) for
     B(s, i), each input that crosses devices `comm` later; memory by Qi et al.'s Table 1,
-    in M_B of a whole device's share of the model (a chunk holds 1/v of it): F adds
+    in M_B of a whole device's share of the model (a chunk holds 1/chunks of it): F adds
     M_B, B adds M_W - M_B, W frees M_W, with M_W = weight_memory * M_B."""
     stages = p * v
     device = (lambda s: s % p) if placement == "loop" else (lambda s: s if s < p else 2 * p - 1 - s)

@@ -57,7 +57,7 @@ def test_peak_memory_per_stage_activation_and_interleaved_units():
     s = schedule.make("1f1b", 3, 6)
     assert timed(s, Costs(1.0, 2.0, activation=(2.0, 1.0, 0.5))).peak_memory == [6.0, 2.0, 0.5]
     inter = schedule.make("interleaved", 4, 8, chunks=2)
-    # a chunk's activation is 1/v of a stage's: the table's microbatch-chunks over v
+    # a chunk's activation is 1/chunks of a stage's: the table's microbatch-chunks over chunks
     assert timed(inter, Costs(1.0, 2.0)).peak_memory == [k / 2 for k in inter.peak_activations]
 
 

@@ -16,7 +16,7 @@ from jaxpar.mesh import TP
 
 B, T, D = 2, 8, 3
 
-# op, JAX's equivalent, in_spec, out_spec, input shape given t, (forward, backward) collective
+# op, JAX's equivalent, in_pspec, out_pspec, input shape given t, (forward, backward) collective
 OPS = {
     "f": (lambda x: copy_to_tp(x, TP), lambda x: pvary(x, TP), P(), P(TP), lambda t: (B, T, D),
           (None, "all-reduce")),
@@ -35,8 +35,8 @@ def _mesh(tp):
     return mesh_lib.make_mesh(tp=tp, devices=jax.devices()[:tp])
 
 
-def _value_and_vjp(body, mesh, in_spec, out_spec, x, ct):
-    fn = jax.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=out_spec)
+def _value_and_vjp(body, mesh, in_pspec, out_pspec, x, ct):
+    fn = jax.shard_map(body, mesh=mesh, in_specs=in_pspec, out_specs=out_pspec)
     y, vjp = jax.vjp(fn, x)
     return y, vjp(ct)[0], fn
 
@@ -44,13 +44,13 @@ def _value_and_vjp(body, mesh, in_spec, out_spec, x, ct):
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 @pytest.mark.parametrize("name", list(OPS))
 def test_op_equals_jax_transpose_exactly(name, tp):
-    ours, theirs, in_spec, out_spec, shape, _ = OPS[name]
+    ours, theirs, in_pspec, out_pspec, shape, _ = OPS[name]
     m = _mesh(tp)
     x = jnp.arange(np.prod(shape(tp)), dtype=jnp.float32).reshape(shape(tp))   # rank-coded
-    out_shape = jax.eval_shape(jax.shard_map(theirs, mesh=m, in_specs=in_spec, out_specs=out_spec), x).shape
+    out_shape = jax.eval_shape(jax.shard_map(theirs, mesh=m, in_specs=in_pspec, out_specs=out_pspec), x).shape
     ct = jnp.arange(np.prod(out_shape), dtype=jnp.float32).reshape(out_shape) * 10 + 1
-    y, dx, _ = _value_and_vjp(ours, m, in_spec, out_spec, x, ct)
-    y_ref, dx_ref, _ = _value_and_vjp(theirs, m, in_spec, out_spec, x, ct)
+    y, dx, _ = _value_and_vjp(ours, m, in_pspec, out_pspec, x, ct)
+    y_ref, dx_ref, _ = _value_and_vjp(theirs, m, in_pspec, out_pspec, x, ct)
     np.testing.assert_array_equal(y, y_ref)       # integer-valued floats: sums are exact
     np.testing.assert_array_equal(dx, dx_ref)
 
@@ -64,8 +64,8 @@ def test_op_values_by_hand():
     total = parts.reshape(t, B, T, D).sum(0)
 
     def run(name, arg):
-        ours, _, in_spec, out_spec, _, _ = OPS[name]
-        return jax.shard_map(ours, mesh=m, in_specs=in_spec, out_specs=out_spec)(arg)
+        ours, _, in_pspec, out_pspec, _, _ = OPS[name]
+        return jax.shard_map(ours, mesh=m, in_specs=in_pspec, out_specs=out_pspec)(arg)
 
     np.testing.assert_array_equal(run("f", x), jnp.tile(x, (t, 1, 1)))          # each device: x
     np.testing.assert_array_equal(run("g", parts), total)                         # sum of partials
@@ -78,11 +78,11 @@ def test_op_values_by_hand():
 
 @pytest.mark.parametrize("name", list(OPS))
 def test_op_compiles_to_its_collectives(name):
-    ours, _, in_spec, out_spec, shape, (fwd_kind, bwd_kind) = OPS[name]
+    ours, _, in_pspec, out_pspec, shape, (fwd_kind, bwd_kind) = OPS[name]
     t = 4
     m = _mesh(t)
     x = jnp.ones(shape(t), jnp.float32)
-    fn = jax.shard_map(ours, mesh=m, in_specs=in_spec, out_specs=out_spec)
+    fn = jax.shard_map(ours, mesh=m, in_specs=in_pspec, out_specs=out_pspec)
     ct = jnp.ones(jax.eval_shape(fn, x).shape, jnp.float32)
     fwd = comms.nonzero(comms.collective_stats(jax.jit(fn), x))
     bwd = comms.nonzero(comms.collective_stats(jax.jit(lambda x, ct: jax.vjp(fn, x)[1](ct)), x, ct))

@@ -139,8 +139,8 @@ def test_param_bytes_per_device_are_one_tth():
     norms = 2 * cfg.d_model * 4
     for t in (2, 4, 8):
         m = mesh_lib.make_mesh(dp=8 // t, tp=t)
-        specs = tensor.TPSpecs.megatron(n_kv_heads=8, tp=t).params(p)
-        placed = {k: jax.device_put(a, NamedSharding(m, specs[k])) for k, a in p.items()}
+        pspecs = tensor.TPSpecs.megatron(n_kv_heads=8, tp=t).params(p)
+        placed = {k: jax.device_put(a, NamedSharding(m, pspecs[k])) for k, a in p.items()}
         per_device = sum(a.addressable_shards[0].data.nbytes for a in placed.values())
         assert per_device == tensor.block_param_bytes(cfg=cfg, dtype=jnp.float32, tp=t) == (full - norms) // t + norms
 

@@ -12,7 +12,6 @@ import pytest
 
 from jaxpar import reference
 from jaxpar.testing import tolerance
-from jaxpar.train import step as step_lib
 from jaxpar.train import verify
 from jaxpar.train.spec import ParallelSpec
 from jaxpar.train.step import Trainer
@@ -33,12 +32,12 @@ def test_a_correct_program_whose_weights_drift_apart_passes():
 def _double_one_leaf(grads, _):
     """The last layer's mlp_norm gain: 2.5 % of the gradient's norm (verify.DENSE, first
     batch), so the norm moves by 0.1 %, and AdamW's update not at all."""
-    mlp_norm = grads["blocks"]["mlp_norm"]                                    # [pp, v, Lc, D]
+    mlp_norm = grads["blocks"]["mlp_norm"]                                    # [pp, chunks, Lc, D]
     return {**grads, "blocks": {**grads["blocks"], "mlp_norm": mlp_norm.at[:, :, -1].multiply(2)}}
 
 
 def _drop_one_layer(grads, _):
-    return {**grads, "blocks": {k: g.at[:, :, 0].set(0) for k, g in grads["blocks"].items()}}    # [pp, v, Lc, ...]
+    return {**grads, "blocks": {k: g.at[:, :, 0].set(0) for k, g in grads["blocks"].items()}}    # [pp, chunks, Lc, ...]
 
 
 def _first_microbatch_twice(grads, again):
@@ -70,7 +69,6 @@ def plant(monkeypatch):
                 return original(self, program, params, first(inputs), first(targets))[1], m
             return loss, bug(grads, again), load
         monkeypatch.setattr(Trainer, "_loss_and_gradients", wrong)
-        monkeypatch.setattr(step_lib, "_BUILT", {})
     return apply
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from jaxpar import reference
 from jaxpar.testing import tolerance
+from jaxpar.train import step as step_lib
 from jaxpar.train import verify
 from jaxpar.train.spec import ParallelSpec
 from jaxpar.train.step import Trainer
@@ -69,6 +70,7 @@ def plant(monkeypatch):
                 return original(self, program, params, first(inputs), first(targets))[1], m
             return loss, bug(grads, again), load
         monkeypatch.setattr(Trainer, "_loss_and_gradients", wrong)
+        monkeypatch.setattr(step_lib, "_BUILT", {})
     return apply
 
 

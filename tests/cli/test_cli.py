@@ -130,6 +130,17 @@ def test_library_messages_speak_python_and_the_cli_speaks_flags(capsys):
     _assert_one_line_error(capsys, "schedule", "use -m 7 or more", "-m 4 < 7 for -p 4")
 
 
+def test_the_pipeline_size_is_pp_in_every_command(capsys):
+    """jaxpar schedule -p is --pp, as jaxpar memory's --pp and jaxpar train's --mesh pp=."""
+    outputs = []
+    for flag in ("-p", "--pp"):
+        assert main(["schedule", "1f1b", flag, "4", "-m", "8"]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and "p=4" in outputs[0]
+    with pytest.raises(SystemExit):
+        main(["schedule", "1f1b", "--stages", "4"])
+
+
 @pytest.mark.parametrize("argv, words", [
     (["schedule", "--all", "-p", "0"], ["-p 0: need at least 1"]),
     (["schedule", "--all", "-m", "0"], ["-m 0: need at least 1"]),

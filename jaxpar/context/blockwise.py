@@ -20,6 +20,10 @@ and to the [B, T, heads, H] of the public functions. A row whose every key is ma
 merges as the identity: nothing here divides by zero or subtracts infinities.
 Everything is computed in `acc_dtype(q.dtype)`: float32 at least (bf16 inputs
 accumulate in float32), float64 under x64.
+
+`Blocks` is how a ring computes its blocks: these XLA ops, keys `chunk` at a time, or
+the fused Pallas kernel of `kernels.flash` (the same contract: (o, lse) forward, and a
+backward from the merged lse and delta), chosen by `kernels.attention.choose_block`.
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from typing import NamedTuple
+
 from jaxpar import errors
 from jaxpar.errors import ConfigError
+from jaxpar.kernels import flash
 
 
 def acc_dtype(dtype):
@@ -251,3 +258,28 @@ def attend_diagonal_backward(q, k, v, do, lse, delta, *, scale, chunk: int, dept
     dq2b, dk2, dv2 = attend_diagonal_backward(q2, k2, v2, do2, l2, d2, scale=scale, chunk=chunk, depth=depth - 1)
     return (jnp.concatenate([dq1, dq2 + dq2b], axis=3), jnp.concatenate([dk1 + dk1b, dk2], axis=2),
             jnp.concatenate([dv1 + dv1b, dv2], axis=2))
+
+
+class Blocks(NamedTuple):
+    """How a ring computes one block: kernel "xla" runs the ops above with the keys taken
+    `chunk` at a time (the diagonal by halving), "pallas" the fused kernel (kernels.flash,
+    in its interpreter off a GPU). causal=True is the diagonal block."""
+    chunk: int
+    kernel: str = "xla"
+
+    def forward(self, q, k, v, *, scale, causal: bool):
+        """(o, lse) of q over one block of k, v."""
+        if self.kernel == "pallas":
+            return flash.block_forward(q, k, v, scale=scale, causal=causal, interpret=flash.interpret_here())
+        if causal:
+            return attend_diagonal(q, k, v, scale=scale, chunk=self.chunk)
+        return attend_chunked(q, k, v, scale=scale, chunk=self.chunk)
+
+    def backward(self, q, k, v, do, lse, delta, *, scale, causal: bool):
+        """(dq, dk, dv) of one block from the merged lse and delta."""
+        if self.kernel == "pallas":
+            return flash.block_backward(q, k, v, do, lse, delta, scale=scale, causal=causal,
+                                        interpret=flash.interpret_here())
+        if causal:
+            return attend_diagonal_backward(q, k, v, do, lse, delta, scale=scale, chunk=self.chunk)
+        return attend_backward_chunked(q, k, v, do, lse, delta, scale=scale, chunk=self.chunk)

@@ -1,0 +1,162 @@
+"""kernels.flash, the fused Pallas kernel of one attention block, against the blockwise
+XLA ops it replaces (context.blockwise) and against reference.attention through ring
+attention and the whole-sequence entry point.
+
+On CPU (make test) the kernels run in Pallas' interpreter: the same kernel bodies, tile
+by tile, in float32 against float32 at float32's tolerance. On a GPU
+(JAXPAR_TEST_PLATFORM=gpu pytest tests/kernels) they compile through Triton and are held
+to float32's tolerance under the precision policy and to the bfloat16 rule in bfloat16,
+and the ring's compiled program to holding no [Tc, Tc] score matrix. The kernel computes
+in float32 by design, so there is no float64 case: choose_block refuses float64."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpar import mesh as mesh_lib
+from jaxpar import reference
+from jaxpar.context import blockwise, ring
+from jaxpar.errors import ConfigError
+from jaxpar.kernels import attention as kernel
+from jaxpar.kernels import flash
+from jaxpar.testing import assert_close, precision_policy, tolerance
+
+GPU = jax.default_backend() == "gpu"
+needs_gpu = pytest.mark.skipif(not GPU, reason="the Pallas kernel compiles through Triton on an NVIDIA GPU; this "
+                                              f"run's backend is {jax.default_backend()} (it ran interpreted)")
+
+
+def _grouped(key, *, B=1, K=2, G=2, tq=64, tk=64, H=16, dtype=jnp.float32):
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (B, K, G, tq, H), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (B, K, tk, H), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (B, K, tk, H), jnp.float32).astype(dtype)
+    do = jax.random.normal(kd, (B, K, G, tq, H), jnp.float32).astype(dtype)
+    return q, k, v, do
+
+
+@pytest.mark.parametrize("causal, tq, tk", [(True, 64, 64), (False, 32, 128), (False, 128, 64), (True, 256, 256)])
+def test_the_block_kernels_equal_the_blockwise_ops(causal, tq, tk):
+    """(o, lse) of one block, and its (dq, dk, dv) from *merged* statistics (the lse of
+    this block merged with another's, delta of the merged output, as a ring hands them),
+    against context.blockwise's attend and attend_backward."""
+    q, k, v, do = _grouped(jax.random.key(tq + tk + causal), tq=tq, tk=tk)
+    scale = q.shape[-1] ** -0.5
+    mask = blockwise.causal_mask(tq, tk) if causal else None
+    with precision_policy():
+        o, lse = blockwise.attend(q, k, v, scale=scale, mask=mask)
+        other = blockwise.attend(q, 0.5 * k[:, :, ::-1], v[:, :, ::-1], scale=scale)     # a second block of keys
+        merged, merged_lse = blockwise.merge(o, lse, *other)
+        delta = jnp.sum(do * merged, axis=-1)
+        want = blockwise.attend_backward(q, k, v, do, merged_lse, delta, scale=scale, mask=mask)
+        got_o, got_lse = flash.block_forward(q, k, v, scale=scale, causal=causal, interpret=not GPU)
+        got = flash.block_backward(q, k, v, do, merged_lse, delta, scale=scale, causal=causal, interpret=not GPU)
+    assert_close((got_o, got_lse), (o, lse))
+    assert_close(got, want)
+
+
+@functools.lru_cache(maxsize=None)
+def _ring_program(cp: int, layout: str, kernel_name: str):
+    mesh = mesh_lib.make_mesh(cp=cp, devices=jax.devices()[:cp])
+    fn = functools.partial(ring.ring_attention, mesh=mesh, causal=True, layout=layout, kernel=kernel_name)
+    return jax.jit(lambda q, k, v, do: _out_and_grads(fn, q, k, v, do))
+
+
+def _out_and_grads(fn, q, k, v, do):
+    o, vjp = jax.vjp(fn, q, k, v)
+    return (o, *vjp(do.astype(o.dtype)))
+
+
+def _qkv(key, *, B=1, T=64, N=4, K=2, H=16, dtype=jnp.float32):
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    shapes = ((B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H))
+    return tuple(jax.random.normal(k_, s, jnp.float32).astype(dtype) for k_, s in zip((kq, kk, kv, kd), shapes))
+
+
+@pytest.mark.parametrize("cp, layout", [(1, "contiguous"), (2, "contiguous"), (2, "zigzag")])
+def test_ring_attention_with_the_kernel_equals_the_reference(cp, layout):
+    """Ring attention whose every block is the Pallas kernel: output, dq, dk, dv against
+    reference.attention in float32 (GQA, causal; cp = 2 merges blocks from two ranks,
+    zigzag adds the half blocks)."""
+    q, k, v, do = _qkv(jax.random.key(cp))
+    with precision_policy():
+        got = _ring_program(cp, layout, "pallas")(q, k, v, do)
+        want = _out_and_grads(functools.partial(reference.attention, causal=True), q, k, v, do)
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_whole_sequence_through_the_kernel_equals_the_reference(causal):
+    """kernels.attention(implementation="pallas"): the kernel over one block with its own
+    lse, output and every input gradient against reference.attention."""
+    q, k, v, do = _qkv(jax.random.key(7 + causal), T=128)
+    fn = functools.partial(kernel.attention, causal=causal, implementation="pallas")
+    with precision_policy():
+        got = _out_and_grads(fn, q, k, v, do)
+        want = _out_and_grads(functools.partial(reference.attention, causal=causal), q, k, v, do)
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("implementation, platform, dtype, tokens, head_dim, expected", [
+    ("auto", "gpu", jnp.bfloat16, 1024, 128, "pallas"), ("auto", "gpu", jnp.float16, 32, 64, "pallas"),
+    ("auto", "cpu", jnp.bfloat16, 1024, 128, "xla"), ("auto", "gpu", jnp.float32, 1024, 128, "xla"),
+    ("auto", "gpu", jnp.bfloat16, 1024, 80, "xla"), ("auto", "gpu", jnp.bfloat16, 96, 64, "xla"),
+    ("xla", "gpu", jnp.bfloat16, 1024, 128, "xla"), ("pallas", "cpu", jnp.float32, 64, 16, "pallas")])
+def test_the_block_kernel_is_chosen_where_it_fits(implementation, platform, dtype, tokens, head_dim, expected):
+    assert kernel.choose_block(implementation, dtype=dtype, tq=tokens, tk=tokens, head_dim=head_dim,
+                               platform=platform) == expected
+
+
+@pytest.mark.parametrize("implementation, dtype, tokens, head_dim, says", [
+    ("pallas", jnp.bfloat16, 1024, 80, "power of two"), ("pallas", jnp.bfloat16, 96, 64, "multiple of 64"),
+    ("pallas", jnp.float64, 64, 64, "float32"), ("cudnn", jnp.bfloat16, 1024, 128, "merged lse"),
+    ("flash", jnp.bfloat16, 1024, 128, "'auto', 'xla', 'cudnn', 'pallas'")])
+def test_a_block_kernel_that_cannot_run_is_refused_with_the_reason(implementation, dtype, tokens, head_dim, says):
+    with pytest.raises(ConfigError, match=says):
+        kernel.choose_block(implementation, dtype=dtype, tq=tokens, tk=tokens, head_dim=head_dim, platform="gpu")
+
+
+def test_ring_attention_refuses_a_kernel_that_does_not_fit_before_computing():
+    q, k, v, _ = _qkv(jax.random.key(0), T=48, H=12)
+    with pytest.raises(ConfigError, match="head_dim=12"):
+        ring.ring_attention(q, k, v, mesh=mesh_lib.make_mesh(cp=1, devices=jax.devices()[:1]), kernel="pallas")
+
+
+def _bf16_rule(got, want):
+    rtol, _ = tolerance(jnp.bfloat16)
+    for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        rel = np.linalg.norm(g - w) / np.linalg.norm(w)
+        assert rel < rtol, f"{name}: |pallas - reference| / |reference| = {rel:.2e} > {rtol}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("N, K, H", [(8, 2, 64), (4, 4, 128)])
+def test_the_kernel_in_bfloat16_on_a_gpu_keeps_the_bfloat16_rule(causal, N, K, H):
+    """The Triton-compiled kernel in bf16, through the ring's entry point (cp = 1, "auto"
+    takes the kernel for bf16 on a GPU) and the whole-sequence one, against the float32
+    reference on the same bf16-rounded inputs."""
+    q, k, v, do = _qkv(jax.random.key(N + H + causal), B=2, T=1024, N=N, K=K, H=H, dtype=jnp.bfloat16)
+    with precision_policy():
+        want = _out_and_grads(functools.partial(reference.attention, causal=causal),
+                              *(a.astype(jnp.float32) for a in (q, k, v)), do)
+    ring_fn = functools.partial(ring.ring_attention, mesh=mesh_lib.make_mesh(cp=1, devices=jax.devices()[:1]), causal=causal, kernel="auto")
+    _bf16_rule(jax.jit(lambda *a: _out_and_grads(ring_fn, *a))(q, k, v, do), want)
+    whole = functools.partial(kernel.attention, causal=causal, implementation="pallas")
+    _bf16_rule(jax.jit(lambda *a: _out_and_grads(whole, *a))(q, k, v, do), want)
+
+
+@needs_gpu
+def test_the_ring_with_the_kernel_holds_no_score_matrix_on_a_gpu():
+    """At T = 8192 on one GPU the compiled forward + backward of ring attention through
+    the kernel needs under 1/8 of one [B, N, T, T] bf16 score matrix."""
+    B, T, N, K, H = 1, 8192, 8, 2, 64
+    q, k, v, do = _qkv(jax.random.key(3), B=B, T=T, N=N, K=K, H=H, dtype=jnp.bfloat16)
+    fn = functools.partial(ring.ring_attention, mesh=mesh_lib.make_mesh(cp=1, devices=jax.devices()[:1]), kernel="pallas")
+    compiled = jax.jit(lambda *a: _out_and_grads(fn, *a)).lower(q, k, v, do).compile()
+    temp, scores = compiled.memory_analysis().temp_size_in_bytes, B * N * T * T * 2
+    assert temp < scores / 8, f"temp {temp} bytes: a T x T buffer ({scores} bytes) is being held"

@@ -63,6 +63,7 @@ def test_ring_and_ulysses_attention_over_gpus_equal_the_reference(layout):
     with precision_policy():
         want = reference.attention(q, k, v, causal=True)
         assert_close(ring_attention(q, k, v, mesh=mesh, layout=layout), want)
+        assert_close(ring_attention(q, k, v, mesh=mesh, layout=layout, kernel="pallas"), want)   # fused blocks
         if N % n == 0:
             assert_close(ulysses_attention(q, k, v, mesh=mesh, layout="contiguous"), want)
 

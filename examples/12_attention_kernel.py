@@ -1,4 +1,4 @@
-"""The attention kernel: cuDNN's flash attention on a GPU, XLA's attention elsewhere.
+"""The attention kernels: cuDNN's flash attention and a ring block's Pallas kernel on a GPU.
 
     python examples/12_attention_kernel.py            # CPU: what each platform would run, the XLA path
     PYTHONPATH=. python3 examples/12_attention_kernel.py   # on a GPU: cuDNN against the reference
@@ -11,13 +11,17 @@
   demo 3  what the backward keeps (T = 4096 on a GPU, 1024 elsewhere): the XLA path the [B, N, T, T] softmax,
           cuDNN q, k, v, the output and one float32 statistic per query and head (the
           activation model's flash=True term), from jax.vjp's residuals;
-  demo 4  the trainer's choice for float32 and bf16 layers (Trainer.kernel).
+  demo 4  the trainer's choice for float32 and bf16 layers (Trainer.kernel);
+  demo 5  ring attention whose every block is the Pallas kernel (kernels.flash: the
+          merged lse goes into its backward), against the reference; interpreted off a GPU.
 """
 
 import jax
 import jax.numpy as jnp
 
+from jaxpar import mesh as mesh_lib
 from jaxpar import reference
+from jaxpar.context import ring
 from jaxpar.errors import ConfigError
 from jaxpar.kernels import attention as kernel
 from jaxpar.memory import activations
@@ -75,6 +79,18 @@ def main():
                           compute_dtype=compute)
         name = "float32" if compute is None else "bfloat16"
         print(f"  {name} layers on {PLATFORM}: {kernel.describe(trainer.kernel)}")
+
+    cp = 2 if len(jax.devices()) >= 2 else 1
+    print(f"\n== demo 5: ring attention at cp={cp}, every block through the Pallas kernel ==")
+    for platform, dtype in [("gpu", jnp.bfloat16), ("gpu", jnp.float32), ("cpu", jnp.bfloat16)]:
+        chosen = kernel.choose_block("auto", dtype=dtype, tq=1024, tk=1024, head_dim=128, platform=platform)
+        print(f"  {platform} {jnp.dtype(dtype).name:<8} auto -> {chosen}")
+    q, k, v, _ = draw(1, 128, 4, 2, 16, jnp.float32)
+    mesh = mesh_lib.make_mesh(cp=cp, devices=jax.devices()[:cp])
+    with precision_policy():
+        got = ring.ring_attention(q, k, v, mesh=mesh, layout="zigzag", kernel="pallas")
+        err = float(jnp.max(jnp.abs(got - reference.attention(q, k, v, causal=True))))
+    print(f"  zigzag, float32: max |ring - reference| = {err:.1e}")
 
 
 if __name__ == "__main__":

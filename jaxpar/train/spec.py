@@ -13,6 +13,7 @@ count is dp x pp x cp x ep x tp. `parse("dp=2,pp=2,tp=2")` reads the CLI's --mes
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 
@@ -23,7 +24,14 @@ from jaxpar.pipeline import stage_layers
 from jaxpar.schedules import orders
 from jaxpar.schedules import schedule as schedule_lib
 
-AXES = (mesh_lib.DP, mesh_lib.PP, mesh_lib.CP, mesh_lib.EP, mesh_lib.TP)   # mesh order: tp innermost (mesh.AXIS_ORDER)
+# The trainer's axes and what each splits: the one table the rest reads. The batch's rows
+# (`recipe.batch_pspecs`, the gradient reduction over the batch axes), the layers (the
+# pipeline), the sequence (context), the heads and d_ff (tensor). Mesh order (tp innermost)
+# is mesh.AXIS_ORDER's.
+SPLITS = {mesh_lib.DP: "rows", mesh_lib.PP: "layers", mesh_lib.CP: "sequence", mesh_lib.EP: "rows",
+          mesh_lib.TP: "heads"}
+AXES = tuple(a for a in mesh_lib.AXIS_ORDER if a in SPLITS)
+BATCH_AXES = tuple(a for a in AXES if SPLITS[a] == "rows")      # (dp, ep): the batch's rows
 ATTENTION = ("ring", "ulysses")
 LAYOUTS = ("contiguous", "zigzag")
 ZERO = (0, 1, 2, 3)           # ZeRO stages: what is sharded over dp (data.zero)
@@ -107,7 +115,7 @@ class ParallelSpec:
 
     @property
     def devices(self) -> int:
-        return self.dp * self.pp * self.cp * self.ep * self.tp
+        return math.prod(self.sizes.values())
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -158,7 +166,7 @@ class ParallelSpec:
         if out:
             return out
         if n_devices is not None and n_devices != self.devices:
-            out.append(f"the mesh needs dp*pp*cp*ep*tp = {self.devices} devices, {n_devices} are available: "
+            out.append(f"the mesh needs {'*'.join(AXES)} = {self.devices} devices, {n_devices} are available: "
                        f"choose sizes whose product is {n_devices}")
         out += self._layer_problems(cfg) + self._model_problems(cfg) + self._batch_problems(cfg, batch_size, seq_len)
         try:
@@ -203,14 +211,15 @@ class ParallelSpec:
         return out
 
     def _batch_problems(self, cfg: reference.ModelConfig, batch_size: int, seq_len: int) -> list[str]:
-        """The batch over dp*ep*microbatches, the sequence over cp (zigzag) and SP's tp, and
+        """The batch over the batch axes (dp*ep) and the microbatches, the sequence over cp (zigzag) and SP's tp, and
         Ulysses' heads over cp."""
         out = []
         tp = self.tp
-        rows = self.dp * self.ep * self.microbatches
+        splits = [*(getattr(self, a) for a in BATCH_AXES), self.microbatches]     # the batch's rows
+        rows = math.prod(splits)
         if batch_size % rows:
-            out.append(f"batch_size={batch_size} does not split into dp*ep*microbatches = {self.dp}*{self.ep}*"
-                       f"{self.microbatches} = {rows}: use a multiple of {rows}")
+            out.append(f"batch_size={batch_size} does not split into {'*'.join(BATCH_AXES)}*microbatches = "
+                       f"{'*'.join(map(str, splits))} = {rows}: use a multiple of {rows}")
         per = self.cp * (2 if self.layout == "zigzag" and self.cp > 1 else 1) * (tp if self.sequence_parallel else 1)
         if seq_len % per:
             why = " x ".join(w for w in (f"cp={self.cp}", "2 (zigzag: two chunks per rank)" if per % 2 == 0 and

@@ -9,10 +9,14 @@ The tokens enter split by rows over the batch axes (`Trainer.token_sharding`, fr
 `batch_pspecs`): each device (each process) holds only its rows, and the step cuts its
 inputs and targets from them without a collective.
 
+The Trainer is built by the recipe (`recipe.py`: each technique applied to the model in
+the lecture's order, then assembled) and holds what it built as declared fields. It keeps
+no other Trainer: a `TrainerCache` (cache.py) does, for whoever reuses one.
+
 Inside the one shard_map, on every device:
-  1. the pipeline program over pp (`pipeline.runtime.local`: any schedule), whose stages
-     are the composed blocks of `model.py` (TP/SP over tp, ring or Ulysses over cp, the
-     MoE over ep), the vocab-parallel embedding on the first stage and the LM head and
+  1. the pipeline program over pp (`recipe.program`: any schedule), whose stages are the
+     blocks `recipe.compose` composed (TP/SP over tp, ring or Ulysses over cp, the MoE
+     over ep), the vocab-parallel embedding on the first stage and the LM head and
      cross-entropy on the last;
   2. one gradient reduction (`jaxpar.data`): each weight's gradient summed over the
      batch axes (dp, ep, cp) its spec does not split; the embedding's and the head's also
@@ -54,19 +58,16 @@ from jaxpar.errors import ConfigError
 from jaxpar.data import zero
 from jaxpar.kernels.attention import choose as choose_kernel
 from jaxpar.data.reduce import reduce_gradients
-from jaxpar.mesh import CP, DP, EP, PP, TP
+from jaxpar.mesh import PP, TP
 from jaxpar.pipeline import runtime
 from jaxpar.pipeline.direct import Direct
 from jaxpar.pipeline.stage import from_stages, to_microbatches, to_stages
-from jaxpar.train import balance
+from jaxpar.schedules.schedule import Schedule
+from jaxpar.train import balance, recipe
 from jaxpar.train import model as model_lib
 from jaxpar.train import optim as optim_lib
+from jaxpar.train.recipe import batch_pspecs
 from jaxpar.train.spec import ParallelSpec
-
-
-# request -> the Trainer that built its step, as jax.jit keeps one per signature: the last 16
-# built, the oldest dropped first (a hit does not renew an entry)
-_BUILT: dict = {}
 
 
 class TrainState(NamedTuple):
@@ -81,11 +82,17 @@ def _with_unit(pspec: P) -> P:
     return P(PP if e is None else (*(e if isinstance(e, tuple) else (e,)), PP), *pspec[1:])
 
 
+def _built():
+    """A Trainer field set once by its own __post_init__ (never a constructor argument)."""
+    return dataclasses.field(init=False, repr=False)
+
+
 @dataclasses.dataclass(eq=False)
 class Trainer:
     """The model `cfg` trained on `spec`'s mesh with `optim`, on batches int[batch_size,
     seq_len + 1]. Everything is checked (ConfigError listing every problem) before
-    anything compiles."""
+    anything compiles. Each Trainer traces and compiles its own step; to reuse one across a
+    process (the tests do), ask a `TrainerCache` for it."""
 
     cfg: reference.ModelConfig
     spec: ParallelSpec
@@ -95,74 +102,80 @@ class Trainer:
     devices: Any = None
     dtype: Any = jnp.float32
     # mixed precision (MaxText's dtype / weight_dtype): the layers run in compute_dtype
-    # (jnp.bfloat16), the state (master weights, AdamW) stays in dtype; None: compute in dtype
+    # (jnp.bfloat16), the state (master weights, AdamW) stays in dtype; None: compute in dtype.
+    # Read back resolved: None when it is dtype (no cast at all)
     compute_dtype: Any = None
     # the attention at cp = 1 and in Ulysses: "auto" (cuDNN's flash attention where it
     # applies: a GPU, 16-bit layers), "xla" or "cudnn"; `kernel` says which runs
     attention_kernel: str = "auto"
 
+    # ---- built from the arguments above, in __post_init__'s order ----
+    kernel: str = _built()                   # "cudnn" or "xla": what the layers' attention runs
+    layers: recipe.Layers = _built()         # the model composed technique by technique (recipe.compose)
+    mesh: jax.sharding.Mesh = _built()
+    schedule: Schedule = _built()
+    local: runtime.Local = _built()          # the pipeline program and its checked Request
+    layers_per_stage: tuple | None = _built()    # the stage layout's padding (None: even stages)
+    token_sharding: NamedSharding = _built()  # the tokens as `put`, `lower`, the loop place them
+    batch_spec: P = _built()                 # the inputs' and targets' pspec inside the shard_map
+    tx: optax.GradientTransformation = _built()
+    param_specs: dict = _built()             # {"blocks", "first", "last"}: the weights' pspecs
+    shapes: dict = _built()                  # the weights' shapes in the state's layout
+    zero_dims: dict = _built()               # per weight: the dimension ZeRO splits over dp (-1: whole)
+    state_param_specs: dict = _built()       # the optimizer state's pspecs (ZeRO: split over dp)
+    stored_param_specs: dict = _built()      # the weights' as stored (ZeRO-3: the state's)
+    state_specs: TrainState = _built()
+    shardings: TrainState = _built()
+    _step: Any = _built()                    # the jitted step
+    _programs: dict = _built()               # its compiled program and the state's jitted layouts
+
     def __post_init__(self):
+        devices = self._checked_devices()
+        compute = recipe.layer_dtype(self.compute_dtype, self.dtype)
+        self.compute_dtype = None if compute == jnp.dtype(self.dtype) else compute
+        self.kernel = choose_kernel(self.attention_kernel, dtype=compute, head_dim=self.cfg.head_dim,
+                                    platform=devices[0].platform)
+        self.layers = recipe.compose(self.cfg, self.spec, seq_len=self.seq_len, batch_size=self.batch_size,
+                                     kernel=self.kernel, compute_dtype=self.compute_dtype)
+        self.mesh = self.spec.mesh(devices)
+        shapes = model_lib.split(jax.eval_shape(lambda: reference.init_params(jax.random.key(0), self.cfg,
+                                                                              self.dtype)))
+        self.local = recipe.program(self.layers, self.spec, self.mesh, shapes)
+        self.schedule = self.layers.schedule
+        self.layers_per_stage = self.local.request.layers_per_stage if self.local.request.uneven else None
+        token_pspec, self.batch_spec = batch_pspecs(self.spec)
+        self.token_sharding = NamedSharding(self.mesh, token_pspec)
+        self.tx = self.optim.transform()
+        self._lay_out_state(shapes)
+        self._step, self._programs = self._build(), {}
+
+    def _checked_devices(self) -> list:
         if not isinstance(self.spec, ParallelSpec):
             raise ConfigError(f"spec is a {type(self.spec).__name__}, not a jaxpar.train.ParallelSpec")
         if not isinstance(self.optim, optim_lib.OptimConfig):
             raise ConfigError(f"optim is a {type(self.optim).__name__}, not a jaxpar.train.OptimConfig")
         devices = list(jax.devices() if self.devices is None else self.devices)
         self.spec.check(self.cfg, batch_size=self.batch_size, seq_len=self.seq_len, n_devices=len(devices))
-        compute = _compute_dtype(self.compute_dtype, self.dtype)
-        # the dtype the layers run in when it is not the state's (None: no cast at all)
-        self.compute_dtype = None if compute == jnp.dtype(self.dtype) else compute
-        # "cudnn" or "xla": what the layers' attention runs (a refused "cudnn" says why)
-        self.kernel = choose_kernel(self.attention_kernel, dtype=compute, head_dim=self.cfg.head_dim,
-                                               platform=devices[0].platform)
-        key = (self.cfg, self.spec, self.optim, self.batch_size, self.seq_len, tuple(devices),
-               jnp.dtype(self.dtype).name, compute.name, self.kernel)
-        built = _BUILT.get(key)
-        if built is not None:          # the same request: the same jitted and compiled step
-            self.__dict__.update({k: v for k, v in built.__dict__.items() if k not in ("devices",)})
-            return
-        self._build_all(devices)
-        _BUILT[key] = self
-        while len(_BUILT) > 16:
-            _BUILT.pop(next(iter(_BUILT)))
+        return devices
 
-    def _build_all(self, devices):
-        spec, cfg = self.spec, self.cfg
-        self.mesh = spec.mesh(devices)
-        self.schedule = spec.make_schedule()
-        stage_fn, first_fn, loss_fn = model_lib.shard_fns(cfg, spec, self.seq_len, self.batch_size, self.kernel)
-        layer_pspecs, first_pspecs, last_pspecs = model_lib.stage_pspecs(cfg, spec)
-        shapes = model_lib.split(jax.eval_shape(lambda: reference.init_params(jax.random.key(0), cfg, self.dtype)))
-        ids = jax.ShapeDtypeStruct((self.batch_size, self.seq_len), jnp.int32)
-        token_pspec, self.batch_spec = batch_pspecs(spec)
-        # what `put`, `lower`, the loop and the validation place the tokens as
-        self.token_sharding = NamedSharding(self.mesh, token_pspec)
-        self.local = runtime.local(
-            self.schedule, stage_fn, shapes["blocks"], (ids, ids), mesh=self.mesh, loss_fn=loss_fn,
-            recompute=spec.recompute is True, input_grads=False, param_specs=layer_pspecs, batch_spec=self.batch_spec,
-            first_fn=first_fn, first_params=shapes["first"], first_specs=first_pspecs, last_params=shapes["last"],
-            last_specs=last_pspecs, layers_per_stage=spec.layers_per_stage if spec.pp > 1 else None)
-        # the stage layout's padding with uneven stages (None: even, no padding)
-        self.layers_per_stage = self.local.request.layers_per_stage if self.local.request.uneven else None
+    def _lay_out_state(self, shapes: dict):
+        """The state on the mesh: the weights' pspecs and shapes in the stage layout, ZeRO's
+        split of the optimizer state (`_plan_zero`), and the state's pspecs and shardings."""
         req = self.local.request
         # over pp of one device the program's values still vary over pp (a psum over a group
-        # of one would stay in the program): their specs name pp, which splits nothing
-        unit = (lambda s: _with_unit(s)) if spec.pp == 1 else (lambda s: s)
+        # of one would stay in the program): their pspecs name pp, which splits nothing
+        unit = _with_unit if self.spec.pp == 1 else (lambda s: s)
         is_p = lambda x: isinstance(x, P)
         self.param_specs = {"blocks": jax.tree.map(runtime.staged, req.param_specs),
                             "first": jax.tree.map(unit, req.first_specs, is_leaf=is_p),
                             "last": jax.tree.map(unit, req.last_specs, is_leaf=is_p)}
-        self.metric_spec = P(PP) if spec.pp == 1 else P(None)
-        self.tx = self.optim.transform()
         self.shapes = jax.eval_shape(self._staged, shapes)
         self._plan_zero()
         opt_shapes = jax.eval_shape(self.tx.init, self.shapes)
-        self.opt_specs = optax.tree_map_params(self.tx, lambda _, s: s, opt_shapes, self.state_param_specs,
-                                               transform_non_params=lambda _: P())
-        self.state_specs = TrainState(step=P(), params=self.stored_param_specs, opt=self.opt_specs)
-        self.shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_specs,
-                                      is_leaf=lambda x: isinstance(x, P))
-        self._step = self._build()
-        self._cache = {}          # shared by every Trainer of the same request
+        opt_specs = optax.tree_map_params(self.tx, lambda _, s: s, opt_shapes, self.state_param_specs,
+                                          transform_non_params=lambda _: P())
+        self.state_specs = TrainState(step=P(), params=self.stored_param_specs, opt=opt_specs)
+        self.shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_specs, is_leaf=is_p)
 
     # ---- layout ---------------------------------------------------------------------------
 
@@ -176,7 +189,7 @@ class Trainer:
         the dimension one layer's function gathers: `model.zero3_dims`, 3 more in the
         blocks' layout [pp, v, Lc, ...]); else the weights' own."""
         if self.spec.zero == 3:
-            dims = model_lib.zero3_dims(self.cfg, self.spec)
+            dims = self.layers.zero_dims
             self.zero_dims = {**dims, "blocks": {k: d + 3 if d >= 0 else d for k, d in dims["blocks"].items()}}
         elif self.spec.zero:
             self.zero_dims = {k: zero.plan(self.shapes[k], self.param_specs[k], sizes=self.mesh.shape,
@@ -203,7 +216,8 @@ class Trainer:
             return TrainState(step=state.step + 1, params=params, opt=opt), dict(loss=loss[None], norm=norm[None],
                                                                                  lr=lr)
 
-        metric_specs = dict(loss=self.metric_spec, norm=self.metric_spec, lr=P())
+        per_pp = P(PP) if self.spec.pp == 1 else P(None)      # the loss and norm: one value (per pp rank)
+        metric_specs = dict(loss=per_pp, norm=per_pp, lr=P())
         sharded = jax.shard_map(per_device, mesh=self.mesh, in_specs=(self.state_specs, self.batch_spec,
                                                                       self.batch_spec),
                                 out_specs=(self.state_specs, metric_specs))
@@ -230,14 +244,15 @@ class Trainer:
         cfg, tp, batch_axes = self.cfg, self.spec.tp, self.local.request.batch_axes
         balancing = balance.enabled(cfg)
         # mixed precision: the weights as the layers use them, cast before any layer
-        weights = reference.cast(params, self.compute_dtype)
+        compute_dtype = self.layers.compute_dtype
+        weights = reference.cast(params, compute_dtype)
         blocks = jax.tree.map(lambda a: a[0], weights["blocks"])
         if balancing:
             blocks = {**blocks, balance.STATS: balance.slots(blocks, cfg, tp, self.dtype)}
         m = self.schedule.microbatches
         xs, ts = to_microbatches(inputs, m), to_microbatches(targets, m)            # [m, mb, ...]
         loss, g_blocks, _, g_first, g_last = program(blocks, xs, ts, weights["first"], weights["last"])
-        if self.compute_dtype is not None:      # the cast's transpose: reductions and AdamW in dtype
+        if compute_dtype is not None:      # the cast's transpose: reductions and AdamW in dtype
             g_blocks, g_first, g_last = reference.cast((g_blocks, g_first, g_last), self.dtype)
         load = None
         if balancing:
@@ -293,9 +308,9 @@ class Trainer:
     def from_canonical(self, params: dict, opt=None, step=0) -> TrainState:
         """A state on this mesh from reference-structured params (and an optimizer state in
         the canonical layout, `canonical`'s second output; None: a fresh one)."""
-        if "from_canonical" not in self._cache:      # one jit per request: its compiled programs are kept
-            self._cache["from_canonical"] = jax.jit(self._build_state, out_shardings=self.shardings)
-        return self._cache["from_canonical"](params, opt, step)
+        if "from_canonical" not in self._programs:      # one jit per Trainer: its compiled programs are kept
+            self._programs["from_canonical"] = jax.jit(self._build_state, out_shardings=self.shardings)
+        return self._programs["from_canonical"](params, opt, step)
 
     def _build_state(self, params, opt, step) -> TrainState:
         staged = self._staged(model_lib.split(params))
@@ -312,9 +327,9 @@ class Trainer:
     def canonical(self, state: TrainState) -> tuple[dict, Any, jax.Array]:
         """(params as reference.init_params, optimizer state with mu/nu in that layout,
         step): the same numbers on any mesh, replicated."""
-        if "canonical" not in self._cache:           # one jit per request: its compiled programs are kept
-            self._cache["canonical"] = jax.jit(self._unstage, out_shardings=NamedSharding(self.mesh, P()))
-        return self._cache["canonical"](state)
+        if "canonical" not in self._programs:           # one jit per Trainer: its compiled programs are kept
+            self._programs["canonical"] = jax.jit(self._unstage, out_shardings=NamedSharding(self.mesh, P()))
+        return self._programs["canonical"](state)
 
     def canonical_abstract(self):
         """The shapes and dtypes `canonical` returns."""
@@ -343,9 +358,9 @@ class Trainer:
     @property
     def compiled(self):
         """The compiled step (compiled once per Trainer request; `step` runs it)."""
-        if "compiled" not in self._cache:
-            self._cache["compiled"] = self.lower().compile()
-        return self._cache["compiled"]
+        if "compiled" not in self._programs:
+            self._programs["compiled"] = self.lower().compile()
+        return self._programs["compiled"]
 
     def step(self, state: TrainState, tokens) -> tuple[TrainState, dict]:
         """One step on tokens int[B, T+1] (host data, or an int32 array laid out as
@@ -365,32 +380,3 @@ class Trainer:
     def abstract_state(self) -> TrainState:
         return jax.eval_shape(lambda: TrainState(step=jnp.zeros((), jnp.int32), params=self.shapes,
                                                  opt=self.tx.init(self.shapes)))
-
-
-def batch_pspecs(spec: ParallelSpec) -> tuple[P, P]:
-    """The batch's pspecs, the one place they are written: (the tokens int[B_(dp ep), T+1]
-    as the step takes them, rows split over the batch axes dp and ep, each sequence
-    whole; the inputs and targets int[B_(dp ep), T_cp] the step cuts from them
-    (`model.to_layout`) and its shard_map takes, the sequence also split over cp). Only
-    axes of more than one device are named (over one, a value is whole)."""
-    axes = tuple(a for a in (DP, EP) if spec.sizes[a] > 1)
-    rows = axes if len(axes) > 1 else axes[0] if axes else None
-    return (P(rows) if rows else P()), P(rows, CP if spec.cp > 1 else None)
-
-
-def _compute_dtype(compute_dtype, dtype) -> np.dtype:
-    """The dtype the trainer's layers run in: compute_dtype (None: dtype), refused unless
-    float32 or bfloat16 (or float64 under jax_enable_x64)."""
-    if compute_dtype is None:
-        return jnp.dtype(dtype)
-    allowed = ("float32", "bfloat16") + (("float64",) if jax.config.jax_enable_x64 else ())
-    try:
-        name = jnp.dtype(compute_dtype).name
-    except (TypeError, ValueError):
-        name = None
-    if name not in allowed:
-        x64 = "" if jax.config.jax_enable_x64 else " (float64 with jax_enable_x64)"
-        raise ConfigError(f"compute_dtype={compute_dtype!r}: the layers run in one of {', '.join(allowed)}{x64}. "
-                          "Fix: compute_dtype=jnp.bfloat16 (mixed precision: float32 weights and AdamW, bf16 "
-                          "layers) or None (compute in dtype)")
-    return jnp.dtype(name)

@@ -35,6 +35,7 @@ from jaxpar.testing import Result, compare, skipped, tolerance
 from jaxpar.train import model as model_lib
 from jaxpar.train import stages, summary
 from jaxpar.train.data import Corpus
+from jaxpar.train.cache import TrainerCache
 from jaxpar.train.optim import OptimConfig
 from jaxpar.train.spec import ParallelSpec
 from jaxpar.train.step import Trainer
@@ -213,7 +214,8 @@ def judged_run(trainer: Trainer, steps: int) -> tuple[dict[str, float], np.ndarr
 
 
 def parity(spec: ParallelSpec, cfg: reference.ModelConfig = DENSE, *, steps: int = 20, batch_size: int = 8,
-           seq_len: int = 16, optim: OptimConfig = OPTIM, dtype=jnp.float32, devices=None) -> Result:
+           seq_len: int = 16, optim: OptimConfig = OPTIM, dtype=jnp.float32, devices=None,
+           trainers: TrainerCache | None = None) -> Result:
     """`steps` steps on `spec` against the unsharded model, each step at the same weights
     (`step_errors`: its loss, norm, gradients and update, where the reference's is
     well-conditioned), and the whole run by its trajectory: the losses and gradient norms
@@ -221,10 +223,12 @@ def parity(spec: ParallelSpec, cfg: reference.ModelConfig = DENSE, *, steps: int
     held to the dtype's rule (testing.tolerance's rtol: 2e-5 in float32, 1e-12 in float64).
     The weights after several AdamW steps are not compared: AdamW divides each gradient by
     its own root mean square, so a gradient near zero whose rounding differs between two
-    summation orders moves its weight by a full step either way."""
+    summation orders moves its weight by a full step either way. trainers: where to take
+    the Trainer from (a `TrainerCache`: one an earlier call built), None: a new one."""
     start = time.perf_counter()
     devices = list(jax.devices()[:spec.devices] if devices is None else devices)
-    trainer = Trainer(cfg, spec, optim, batch_size=batch_size, seq_len=seq_len, devices=devices, dtype=dtype)
+    trainer = (trainers or Trainer)(cfg, spec, optim, batch_size=batch_size, seq_len=seq_len, devices=devices,
+                                    dtype=dtype)
     errors, losses, norms = judged_run(trainer, steps)
     ref_losses, ref_norms, _ = reference_run(cfg, optim, steps, batch_size, seq_len, jnp.dtype(dtype).name)
     errors = {"losses": relative(losses, ref_losses), "grad norms": relative(norms, ref_norms), **errors}
@@ -278,15 +282,16 @@ MIXED_BOUNDS = {"losses": 2 ** -8, "grad norms": 1e-2, "step loss": 2 ** -8, "st
 
 
 def mixed_parity(spec: ParallelSpec, cfg: reference.ModelConfig = DENSE, *, steps: int = 4, batch_size: int = 8,
-                 seq_len: int = 16, optim: OptimConfig = OPTIM, devices=None) -> Result:
+                 seq_len: int = 16, optim: OptimConfig = OPTIM, devices=None,
+                 trainers: TrainerCache | None = None) -> Result:
     """`steps` bf16 steps (float32 state) on `spec` against the unsharded model with the same
     casts (`mixed_errors`): each of MIXED_BOUNDS within its bound, the updates to the
     float32 rule, and the first step's loss (the same weights) nearer the bf16 model's
-    than half the way to the float32 model's."""
+    than half the way to the float32 model's. trainers: as `parity`'s."""
     start = time.perf_counter()
     devices = list(jax.devices()[:spec.devices] if devices is None else devices)
-    trainer = Trainer(cfg, spec, optim, batch_size=batch_size, seq_len=seq_len, devices=devices,
-                      compute_dtype=jnp.bfloat16)
+    trainer = (trainers or Trainer)(cfg, spec, optim, batch_size=batch_size, seq_len=seq_len, devices=devices,
+                                    compute_dtype=jnp.bfloat16)
     errors, scale = mixed_errors(trainer, steps)
     passed = mixed_within(errors, scale)
     return Result(name=f"train bf16 {spec.describe()}, {steps} steps", mesh=mesh_lib.describe(trainer.mesh),

@@ -12,7 +12,7 @@ from jaxpar import comms, reference
 from jaxpar.errors import ConfigError
 from jaxpar.expert import formulas, router
 from jaxpar.pipeline import direct
-from jaxpar.train import model, verify
+from jaxpar.train import recipe, verify
 from jaxpar.train.data import Corpus
 from jaxpar.train.optim import OptimConfig
 from jaxpar.train.spec import ParallelSpec
@@ -40,10 +40,10 @@ MESHES = {
 }
 
 
-def trained(spec, cfg, steps=STEPS) -> tuple[dict, Trainer]:
+def trained(cache, spec, cfg, steps=STEPS) -> tuple[dict, Trainer]:
     """(the params after `steps` steps on `spec`, the trainer): verify.parity's step, from
-    the step cache."""
-    trainer = Trainer(cfg, spec, OPTIM, batch_size=BATCH, seq_len=SEQ, devices=jax.devices()[:spec.devices])
+    `cache`."""
+    trainer = cache(cfg, spec, OPTIM, batch_size=BATCH, seq_len=SEQ, devices=jax.devices()[:spec.devices])
     corpus, state = Corpus(vocab=cfg.vocab), trainer.init(jax.random.key(0))
     for i in range(steps):
         state, _ = trainer.step(state, corpus.batch(i, batch_size=BATCH, seq_len=SEQ))
@@ -51,14 +51,14 @@ def trained(spec, cfg, steps=STEPS) -> tuple[dict, Trainer]:
 
 
 @pytest.mark.parametrize("name", list(MESHES))
-def test_balancing_on_a_mesh_equals_the_unsharded_model(name):
+def test_balancing_on_a_mesh_equals_the_unsharded_model(name, trainer_cache):
     """Each step at the same weights (the loss with its balance term, the gradients, the
     update, the router bias moved by the same load) and the run's losses and norms
     (`verify.parity`), to the float32 rule."""
     spec, cfg = MESHES[name]
-    r = verify.parity(spec, cfg, steps=STEPS, batch_size=BATCH, seq_len=SEQ, optim=OPTIM)
+    r = verify.parity(spec, cfg, steps=STEPS, batch_size=BATCH, seq_len=SEQ, optim=OPTIM, trainers=trainer_cache)
     assert r.passed, r.errors
-    params, trainer = trained(spec, cfg)
+    params, trainer = trained(trainer_cache, spec, cfg)
     if cfg.bias_rate:   # the bias moved, by whole steps of bias_rate
         bias = params["blocks"]["router_bias"]
         assert np.abs(bias).max() > 0
@@ -182,7 +182,7 @@ def test_bad_balancing_requests_are_refused():
     with pytest.raises(ConfigError, match="selection bias .* goes with the sigmoid router"):
         reference.router_choice(jnp.zeros((16, 4)), jnp.zeros((2, 16)), top_k=2, bias=jnp.zeros(4))
     with pytest.raises(ConfigError, match="aux_loss=0.1.*batch_size="):
-        model.shard_fns(AUX, ParallelSpec(), SEQ)
+        recipe.compose(AUX, ParallelSpec(), seq_len=SEQ)
     with pytest.raises(ConfigError, match="seq_len=15 is not divisible by cp=2"):
         formulas.balance_collectives(cfg=AUX, batch_size=2, seq_len=15, dtype=jnp.float32, cp=2)
     with pytest.raises(ConfigError, match="layers=0"):

@@ -12,7 +12,6 @@ import pytest
 
 from jaxpar import reference
 from jaxpar.testing import tolerance
-from jaxpar.train import step as step_lib
 from jaxpar.train import verify
 from jaxpar.train.spec import ParallelSpec
 from jaxpar.train.step import Trainer
@@ -56,8 +55,8 @@ PLANTS = {"one leaf's gradient doubled": _double_one_leaf, "one layer's gradient
 @pytest.fixture
 def plant(monkeypatch):
     """Plant a bug of PLANTS in the sharded step: every Trainer built after it computes its
-    gradients, then the bug changes them before the reduction (a fresh step cache: no
-    other test's Trainer is touched)."""
+    gradients, then the bug changes them before the reduction (verify.parity without a
+    TrainerCache builds its own Trainer: no other test's is touched)."""
     def apply(kind):
         original, bug = Trainer._loss_and_gradients, PLANTS[kind]
 
@@ -70,7 +69,6 @@ def plant(monkeypatch):
                 return original(self, program, params, first(inputs), first(targets))[1], m
             return loss, bug(grads, again), load
         monkeypatch.setattr(Trainer, "_loss_and_gradients", wrong)
-        monkeypatch.setattr(step_lib, "_BUILT", {})
     return apply
 
 

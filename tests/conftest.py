@@ -5,10 +5,13 @@ one kind); the GPU checks are `jaxpar tour`, the benchmarks (benchmarks/gpu.py) 
 `JAXPAR_TEST_PLATFORM=gpu pytest tests/kernels tests/gpu`, which runs on the GPUs.
 """
 
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 # Before JAX starts: the tests' programs are small, so compiling them costs far more than
 # running them, and code generation is most of the compile. Two backend flags cut it:
@@ -42,6 +45,17 @@ for _flag in FAST_COMPILE:
 # A precision the user set is kept.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
+# JAX's persistent compilation cache for the session and the processes it starts (both
+# workers, the examples, the CLI's runs): a program compiled once (the same Trainer's step
+# built again in a later test, in the other worker, in an example) is read back instead of
+# compiled again. The tracing is not saved: tests that build one Trainer several times share
+# it through the `trainers` fixture. A fresh directory per session, removed at its end (only
+# this checkout's programs in it); a directory the user set is kept.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxpar-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
 
@@ -56,6 +70,16 @@ if ON_GPU:
 else:
     jax.config.update("jax_platforms", "cpu")
     N_DEVICES = mesh.use_cpu_devices(8)  # XLA_FLAGS=--xla_force_host_platform_device_count wins
+
+
+@pytest.fixture(scope="session")
+def trainer_cache():
+    """The session's `TrainerCache` (one per worker): tests that build the same Trainer (a
+    parity run, then a look at its compiled step) pass it around and trace and compile that
+    step once; the library keeps no Trainer between calls. (Imported here: the trainer's
+    modules load after the devices are set.)"""
+    from jaxpar.train.cache import TrainerCache
+    return TrainerCache()
 
 
 @pytest.fixture

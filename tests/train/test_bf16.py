@@ -29,15 +29,15 @@ MESHES = {
 }
 
 
-def _trainer(spec: ParallelSpec, compute_dtype=jnp.bfloat16) -> Trainer:
-    return Trainer(DENSE, spec, OPTIM, batch_size=8, seq_len=16, devices=jax.devices()[:spec.devices],
+def _trainer(cache, spec: ParallelSpec, compute_dtype=jnp.bfloat16) -> Trainer:
+    return cache(DENSE, spec, OPTIM, batch_size=8, seq_len=16, devices=jax.devices()[:spec.devices],
                    compute_dtype=compute_dtype)
 
 
 @pytest.fixture(scope="module", params=list(MESHES))
-def run(request):
+def run(request, trainer_cache):
     """(trainer, its errors and the float32-vs-bf16 scale, `mixed_errors`) of STEPS bf16 steps."""
-    trainer = _trainer(MESHES[request.param])
+    trainer = _trainer(trainer_cache, MESHES[request.param])
     return trainer, *mixed_errors(trainer, STEPS)
 
 
@@ -121,11 +121,11 @@ def test_gradients_are_reduced_in_float32_activations_travel_in_bf16(run):
     assert bool(sends) == (trainer.spec.pp > 1) and all(dtypes == {"bfloat16"} for dtypes in sends)
 
 
-def test_the_float32_trainer_stays_float32():
-    trainer = _trainer(MESHES["dp2 tp2"], None)
+def test_the_float32_trainer_stays_float32(trainer_cache):
+    trainer = _trainer(trainer_cache, MESHES["dp2 tp2"], None)
     assert trainer.compute_dtype is None
     assert set(_dot_operand_types(trainer.lower().as_text())) == {"f32"}
-    assert _trainer(MESHES["dp2 tp2"], jnp.float32).compute_dtype is None   # the same as dtype: no cast
+    assert _trainer(trainer_cache, MESHES["dp2 tp2"], jnp.float32).compute_dtype is None   # the same as dtype: no cast
 
 
 def _shard_bytes(trainer: Trainer, tree, shardings) -> tuple[int, int]:
@@ -138,13 +138,13 @@ def _shard_bytes(trainer: Trainer, tree, shardings) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("name", ["dp2 tp2", "dp2 pp2 tp2"])
-def test_the_state_is_twelve_bytes_per_parameter(name):
+def test_the_state_is_twelve_bytes_per_parameter(name, trainer_cache):
     """The compiled step's arguments are the state and the tokens: float32 master weights and
     AdamW's two moments, memory.states' mixed-precision optimizer bytes (12 per parameter of
     the device's shard), the step and AdamW's counts, the device's rows of the int32 tokens
     (split over dp, `Trainer.token_sharding`). The bf16 weight copy and the bf16 gradients
     are no argument: they live in the step's temporary memory."""
-    trainer = _trainer(MESHES[name])
+    trainer = _trainer(trainer_cache, MESHES[name])
     abstract = trainer.abstract_state()
     params, _ = _shard_bytes(trainer, abstract.params, trainer.shardings.params)
     state, scalars = _shard_bytes(trainer, abstract, trainer.shardings)
@@ -156,22 +156,22 @@ def test_the_state_is_twelve_bytes_per_parameter(name):
     assert memory.argument_size_in_bytes == state + scalars + tokens
     # the same state as the float32 trainer's, and no more temporary memory (docs/train.md,
     # "Mixed precision", has the measured temp bytes of both)
-    full = _trainer(MESHES[name], None).compiled.memory_analysis()
+    full = _trainer(trainer_cache, MESHES[name], None).compiled.memory_analysis()
     assert full.argument_size_in_bytes == memory.argument_size_in_bytes
     assert memory.temp_size_in_bytes <= full.temp_size_in_bytes
 
 
 @pytest.mark.parametrize("bad", [jnp.float16, jnp.int32, "float8_e4m3fn", "f33", 3])
-def test_bad_compute_dtypes_are_refused(bad):
+def test_bad_compute_dtypes_are_refused(bad, trainer_cache):
     with pytest.raises(ConfigError, match="compute_dtype="):
-        _trainer(MESHES["dp2 tp2"], bad)
+        _trainer(trainer_cache, MESHES["dp2 tp2"], bad)
 
 
-def test_float64_compute_needs_x64():
+def test_float64_compute_needs_x64(trainer_cache):
     if jax.config.jax_enable_x64:
         pytest.skip("x64 is on")
     with pytest.raises(ConfigError, match="compute_dtype=.*jax_enable_x64"):
-        _trainer(MESHES["dp2 tp2"], jnp.float64)
+        _trainer(trainer_cache, MESHES["dp2 tp2"], jnp.float64)
 
 
 def test_the_reference_casts_only_when_asked():

@@ -46,10 +46,10 @@ def _worker(directory, log, steps, every, hold=None):
                             stderr=subprocess.PIPE, text=True)
 
 
-def test_sigkill_during_an_asynchronous_save_resumes_from_the_last_complete_step_exactly(tmp_path):
+def test_sigkill_during_an_asynchronous_save_resumes_from_the_last_complete_step_exactly(tmp_path, trainer_cache):
     steps, every, d = 10, 3, tmp_path / "b"
     killed = _worker(d, tmp_path / "b.jsonl", steps, every, hold=6)    # step 6's save never renames
-    trainer = Trainer(CFG, SPEC, verify.OPTIM, batch_size=BATCH, seq_len=16)
+    trainer = trainer_cache(CFG, SPEC, verify.OPTIM, batch_size=BATCH, seq_len=16)
     _, whole = fit(trainer, steps=steps, progress=False)           # meanwhile, the uninterrupted run here
     deadline = time.time() + 240
     while time.time() < deadline and not (tmp_path / "b.held").exists():
@@ -75,18 +75,18 @@ def test_sigkill_during_an_asynchronous_save_resumes_from_the_last_complete_step
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved(tmp_path_factory, trainer_cache):
     """8 steps on dp2 x pp2 x tp2, saved every 4, and the losses of the whole run."""
     directory = tmp_path_factory.mktemp("ckpt")
-    trainer = Trainer(CFG, SPEC, verify.OPTIM, batch_size=BATCH, seq_len=16)
+    trainer = trainer_cache(CFG, SPEC, verify.OPTIM, batch_size=BATCH, seq_len=16)
     _, history = fit(trainer, steps=8, checkpoints=Checkpoints(directory, every=4), progress=False)
     return directory, history.losses
 
 
 @pytest.mark.parametrize("spec", [ParallelSpec(pp=4, tp=2, microbatches=4), ParallelSpec()], ids=str)
-def test_restore_on_another_mesh_continues_with_the_same_losses(saved, spec):
+def test_restore_on_another_mesh_continues_with_the_same_losses(saved, spec, trainer_cache):
     directory, losses = saved
-    trainer = Trainer(CFG, spec, verify.OPTIM, batch_size=BATCH, seq_len=16, devices=jax.devices()[:spec.devices])
+    trainer = trainer_cache(CFG, spec, verify.OPTIM, batch_size=BATCH, seq_len=16, devices=jax.devices()[:spec.devices])
     state = Checkpoints(directory, every=4).restore(trainer, step=4)
     assert int(state.step) == 4
     _, history = fit(trainer, steps=8, state=state, progress=False)

@@ -21,9 +21,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_one_step_runs_the_formulas_collectives(name):
+def test_one_step_runs_the_formulas_collectives(name, trainer_cache):
     spec = CASES[name]
-    trainer = Trainer(verify.DENSE, spec, verify.OPTIM, batch_size=8, seq_len=16)
+    trainer = trainer_cache(verify.DENSE, spec, verify.OPTIM, batch_size=8, seq_len=16)
     c = summary.collectives(trainer, trainer.compiled)
     assert c["sends"] == c["expected_sends"]
     assert c["reductions"] == c["expected_reductions"]
@@ -34,18 +34,18 @@ def test_one_step_runs_the_formulas_collectives(name):
     assert summary.matches(c)
 
 
-def test_a_wrong_formula_is_noticed():
-    trainer = Trainer(verify.DENSE, CASES["dp2 pp2 tp2 1f1b"], verify.OPTIM, batch_size=8, seq_len=16)
+def test_a_wrong_formula_is_noticed(trainer_cache):
+    trainer = trainer_cache(verify.DENSE, CASES["dp2 pp2 tp2 1f1b"], verify.OPTIM, batch_size=8, seq_len=16)
     c = summary.collectives(trainer, trainer.compiled)
     c["expected_stages"][0] = c["expected_stages"][0] + comms.Collectives({"all-reduce": (1, 4)})
     assert not summary.matches(c)
 
 
 @pytest.mark.parametrize("extra", [(1, 0), (0, 4), (-1, -64)], ids=["one more", "4 bytes more", "one fewer"])
-def test_at_one_stage_a_formula_off_by_one_collective_is_noticed(extra):
+def test_at_one_stage_a_formula_off_by_one_collective_is_noticed(extra, trainer_cache):
     """pp = 1 is held to count and bytes as a pipeline's stages are: a formula that counts
     an all-reduce twice, or a few bytes more or less, fails the check."""
-    trainer = Trainer(verify.DENSE, CASES["dp4 tp2 SP ZeRO-1"], verify.OPTIM, batch_size=8, seq_len=16)
+    trainer = trainer_cache(verify.DENSE, CASES["dp4 tp2 SP ZeRO-1"], verify.OPTIM, batch_size=8, seq_len=16)
     c = summary.collectives(trainer, trainer.compiled)
     assert summary.matches(c)
     c["expected_stages"][0] = c["expected_stages"][0] + comms.Collectives({"all-reduce": extra})

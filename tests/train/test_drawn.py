@@ -25,7 +25,7 @@ from jaxpar.testing import tolerance
 from jaxpar.train import summary, verify
 from jaxpar.train.optim import OptimConfig
 from jaxpar.train.spec import ParallelSpec
-from jaxpar.train.step import Trainer
+from jaxpar.train.cache import TrainerCache
 from tests.train.drawn import FAMILIES, Drawn, configurations
 
 EXAMPLES = int(os.environ.get("JAXPAR_DRAWN", "2"))
@@ -52,16 +52,17 @@ NAMED = {
 }
 
 
-def _parity(drawn, dtype=jnp.float32):
+def _parity(drawn, cache, dtype=jnp.float32):
     return verify.parity(drawn.spec, drawn.cfg, steps=3, batch_size=drawn.batch_size, seq_len=drawn.seq_len,
-                         optim=OPTIM, dtype=dtype)
+                         optim=OPTIM, dtype=dtype, trainers=cache)
 
 
 def _check(drawn):
     start = time.perf_counter()
-    r = _parity(drawn)
-    trainer = Trainer(drawn.cfg, drawn.spec, OPTIM, batch_size=drawn.batch_size, seq_len=drawn.seq_len,
-                      devices=jax.devices()[:drawn.spec.devices])          # parity's, from the cache
+    cache = TrainerCache()          # parity's Trainer, then its compiled step looked at
+    r = _parity(drawn, cache)
+    trainer = cache(drawn.cfg, drawn.spec, OPTIM, batch_size=drawn.batch_size, seq_len=drawn.seq_len,
+                  devices=jax.devices()[:drawn.spec.devices])          # parity's, from the cache
     c = summary.collectives(trainer, trainer.compiled)
     assert summary.matches(c), (str(drawn), {k: c[k] for k in ("sends", "expected_sends", "stages",
                                                                "expected_stages", "reductions",
@@ -73,7 +74,7 @@ def _check(drawn):
         # same 3 steps in float64, to 1e-12.
         assert drawn.cfg.n_experts, (str(drawn), r.errors)
         with jax.enable_x64(True):
-            r64 = _parity(drawn, jnp.float64)
+            r64 = _parity(drawn, cache, jnp.float64)
         assert max(r64.errors.values()) <= tolerance(jnp.float64)[0], (str(drawn), r64.errors)
     if LOG:
         with open(LOG, "a") as f:

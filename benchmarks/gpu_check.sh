@@ -41,6 +41,9 @@ if has tests; then
       python3 -m pytest -q -p no:cacheprovider -rs tests/kernels tests/gpu > "$OUT/tests.txt" 2>&1
   echo "tests exit $?" >> "$OUT/tests.txt"; tail -25 "$OUT/tests.txt"
 fi
+if has attention; then  # the attention implementations, forward + backward (fused kernels against XLA)
+  timeout ${ATTN_S:-90} python3 -m benchmarks.attention_gpu --out "$OUT" 2>&1 | grep -v "^W0000\|^I0000" | cut -c1-200
+fi
 if has bench; then
   timeout ${BENCH_S:-200} python3 -m benchmarks.gpu --quick --out "$OUT" ${BENCH_ARGS:-} 2>&1 | grep -v "^W0000\|^I0000" | cut -c1-200
 fi

@@ -71,6 +71,8 @@ class AttentionCase:
     gives them in the layout's order (reordered outside the program, as a data loader would)."""
     chunk: int = CHUNK
     """Keys per block of the blockwise softmax."""
+    kernel: str = "xla"
+    """What computes the ring's blocks: "xla" (the blockwise ops) or "pallas" (kernels.flash)."""
     batch_size: int = 4
     """B, sequences (a multiple of dp)."""
     seq_len: int = 32
@@ -101,7 +103,7 @@ def run_attention(method: str, mesh, case: AttentionCase = AttentionCase()) -> A
     q, k, v, do = case.inputs()
     if method == "ring":
         fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, causal=causal, layout=layout, relayout=relayout,
-                                            chunk=chunk)
+                                            chunk=chunk, kernel=case.kernel)
     elif method == "ulysses":
         fn = lambda q, k, v: hybrid_attention(q, k, v, mesh=mesh, causal=causal, ring_axis=None, ulysses_axis=CP,
                                               chunk=chunk)
@@ -144,20 +146,27 @@ def default_mesh(*, two_d: bool = False) -> tuple[jax.sharding.Mesh, str]:
     return m, note
 
 
-def check_attention(method: str, *, layout: str = "contiguous", causal: bool = True) -> Result:
+def check_attention(method: str, *, layout: str = "contiguous", causal: bool = True, kernel: str = "xla") -> Result:
+    """One tour row: `method` on the default mesh against the reference, collectives
+    against their formula. kernel="pallas" (the ring's blocks through kernels.flash) takes
+    T = 32 cp and H = 16, the smallest the kernel's tiles take, and N = 4 (it runs
+    interpreted off a GPU, tile by tile)."""
     start = time.perf_counter()
     m, mesh_note = default_mesh(two_d=method == "hybrid")
     B = 2 * mesh_lib.axis_size(m, DP)
-    run = run_attention(method, m, AttentionCase(causal=causal, layout=layout, batch_size=B))
+    shape = dict(seq_len=32 * mesh_lib.axis_size(m, CP), head_dim=16, n_heads=4) if kernel == "pallas" else {}
+    case = AttentionCase(causal=causal, layout=layout, batch_size=B, kernel=kernel, **shape)
+    run = run_attention(method, m, case)
     errors, rule, within = run.compared
     name = {"ring": f"ring attention ({layout})", "ulysses": "Ulysses attention",
-            "hybrid": f"2-D: Ulysses x ring ({layout})"}[method]
+            "hybrid": f"2-D: Ulysses x ring ({layout})"}[method] + (", Pallas blocks" if kernel == "pallas" else "")
     return Result(name=name, mesh=mesh_lib.describe(m), errors=errors, tolerance=rule,
                   measured={"fwd": run.forward, "bwd": run.backward},
                   expected={"fwd": run.formula_forward, "bwd": run.formula_backward},
                   passed=within and run.collectives_match, seconds=time.perf_counter() - start,
-                  note=join_notes(f"out, dQ, dK, dV vs reference.attention; f32 GQA N=8 K=2 B={B} T=32"
-                               + (", causal" if causal else ""), mesh_note))
+                  note=join_notes(f"out, dQ, dK, dV vs reference.attention; f32 GQA N={case.n_heads} "
+                                  f"K={case.n_kv_heads} B={B} T={case.seq_len}" + (", causal" if causal else ""),
+                                  mesh_note))
 
 
 def exercise_6() -> dict[str, float]:
@@ -200,9 +209,10 @@ def check_balance(seq_len: int = 8192, cp: int = 4) -> Result:
 
 
 def check_cp() -> list[Result]:
-    """`jaxpar verify cp`: the merge, ring attention in both layouts, the load report."""
+    """`jaxpar verify cp`: the merge, ring attention in both layouts (and zigzag with its
+    blocks through the Pallas kernel), the load report."""
     return [check_merge(), check_attention("ring", layout="contiguous"), check_attention("ring", layout="zigzag"),
-            check_balance()]
+            check_attention("ring", layout="zigzag", kernel="pallas"), check_balance()]
 
 
 def check_ulysses() -> list[Result]:

@@ -19,6 +19,7 @@ import pytest
 from jaxpar import mesh as mesh_lib
 from jaxpar import reference
 from jaxpar.context import blockwise, ring
+from jaxpar.context import verify as context_verify
 from jaxpar.errors import ConfigError
 from jaxpar.kernels import attention as kernel
 from jaxpar.kernels import flash
@@ -160,3 +161,15 @@ def test_the_ring_with_the_kernel_holds_no_score_matrix_on_a_gpu():
     compiled = jax.jit(lambda *a: _out_and_grads(fn, *a)).lower(q, k, v, do).compile()
     temp, scores = compiled.memory_analysis().temp_size_in_bytes, B * N * T * T * 2
     assert temp < scores / 8, f"temp {temp} bytes: a T x T buffer ({scores} bytes) is being held"
+
+
+def test_the_ring_through_the_kernel_moves_what_the_formula_says():
+    """The kernel changes what computes a block, not what travels: ring attention at
+    dp 2 x cp 2 (zigzag) with Pallas blocks, its compiled forward and backward
+    collectives against context.formulas, and its results against the reference."""
+    mesh = mesh_lib.make_mesh(dp=2, cp=2, devices=jax.devices()[:4])
+    case = context_verify.AttentionCase(layout="zigzag", kernel="pallas", seq_len=64, head_dim=16, n_heads=4)
+    with precision_policy():
+        run = context_verify.run_attention("ring", mesh, case)
+    assert run.collectives_match, (run.forward, run.formula_forward, run.backward, run.formula_backward)
+    assert run.compared[2], run.compared

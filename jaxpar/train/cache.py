@@ -6,8 +6,8 @@
                                                                      # traced and compiled once
 
 Each `Trainer` traces and compiles its own step (seconds on CPU). A process that asks for
-the same one many times (the test suite: `tests/conftest.py`'s `trainers` fixture, passed to
-`train.verify.parity(trainers=)`) holds one of these. JAX's persistent compilation cache
+the same one many times (the test suite: `tests/conftest.py`'s `trainer_cache` fixture,
+passed to `train.verify.parity(trainers=)`) holds one of these. JAX's persistent compilation cache
 (`jax_compilation_cache_dir`) saves the compile of an equal program in a later process or a
 fresh Trainer, not the tracing; the test session turns it on too.
 """

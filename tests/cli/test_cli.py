@@ -138,7 +138,7 @@ def test_the_pipeline_size_is_pp_in_every_command(capsys):
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1] and "p=4" in outputs[0]
     with pytest.raises(SystemExit):
-        main(["schedule", "1f1b", "--stages", "4"])
+        main(["schedule", "1f1b", "--stages", "4"])       # a retired word, on purpose
 
 
 @pytest.mark.parametrize("argv, words", [

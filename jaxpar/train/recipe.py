@@ -42,6 +42,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.expert.dispatch import MoEOptions, ep_moe_shard
 from jaxpar.expert.router import route
 from jaxpar.kernels.attention import attention as attention_kernel
+from jaxpar.kernels.attention import choose, choose_block
 from jaxpar.mesh import CP, EP, TP
 from jaxpar.pipeline import runtime
 from jaxpar.schedules.schedule import Schedule
@@ -61,7 +62,7 @@ class Layers:
     cfg: reference.ModelConfig
     seq_len: int                        # T, the whole sequence
     batch_size: int | None              # sequences per step: the balance loss's weight
-    kernel: str = "xla"                 # the attention where a device sees whole sequences
+    kernel: str = "xla"                 # the attention's kernel: a whole sequence's, or a ring block's (cp > 1)
     pspecs: dict                        # {"blocks": one layer's, "first", "last"}: model.stage_pspecs
     sequence_parallel: bool = False     # tensor: SP's T/tp between the sublayers
     attend: Callable                    # context: attend(q, k, v) on this shard's heads
@@ -89,6 +90,24 @@ def compose(cfg: reference.ModelConfig, spec: ParallelSpec, *, seq_len: int, bat
     layers = apply_data(layers, spec)
     layers = apply_recompute(layers, spec)
     return apply_precision(layers, compute_dtype)
+
+
+def choose_kernel(requested: str, cfg: reference.ModelConfig, spec: ParallelSpec, *, seq_len: int, dtype,
+                  platform: str) -> str:
+    """What the layers' attention runs for `requested` ("auto", "xla", "cudnn", "pallas"):
+    at cp > 1 under ring attention, what computes each block (kernels.attention.
+    choose_block: "pallas" or "xla"); else the whole sequence's (choose). The Pallas
+    kernel off a GPU runs in Pallas' interpreter, which cannot run inside the step's
+    shard_map (it loses the varying axes its loops carry): refused there."""
+    if spec.cp > 1 and spec.attention != "ulysses":
+        tokens = seq_len // spec.cp // (2 if spec.layout == "zigzag" else 1)
+        kernel = choose_block(requested, dtype=dtype, tq=tokens, tk=tokens, head_dim=cfg.head_dim, platform=platform)
+    else:
+        kernel = choose(requested, dtype=dtype, head_dim=cfg.head_dim, platform=platform, seq_len=seq_len)
+    if kernel == "pallas" and platform not in ("gpu", "cuda"):
+        raise ConfigError(f"attention_kernel='pallas' on {platform}: the Pallas kernel compiles for NVIDIA GPUs and "
+                          "runs interpreted elsewhere, which the trainer's shard_map cannot hold. Fix: 'auto' or 'xla'")
+    return kernel
 
 
 def unsharded(cfg: reference.ModelConfig, *, seq_len: int, batch_size: int | None, kernel: str) -> Layers:
@@ -122,7 +141,8 @@ def apply_context(layers: Layers, spec: ParallelSpec) -> Layers:
                                    kernel=kernel)
     else:
         hop = "all_to_all" if spec.pp > 1 else "ppermute"
-        attend = functools.partial(ring_attention_shard, axis=CP, causal=cfg.causal, layout=spec.layout, hop=hop)
+        attend = functools.partial(ring_attention_shard, axis=CP, causal=cfg.causal, layout=spec.layout, hop=hop,
+                                   kernel=kernel)
 
     def positions():                                                # int[T/cp]
         if spec.layout == "contiguous":      # (a contiguous sequence need not cut into 2 cp halves)

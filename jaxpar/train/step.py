@@ -56,7 +56,6 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import reference
 from jaxpar.errors import ConfigError
 from jaxpar.data import zero
-from jaxpar.kernels.attention import choose as choose_kernel
 from jaxpar.data.reduce import reduce_gradients
 from jaxpar.mesh import PP, TP
 from jaxpar.pipeline import runtime
@@ -105,12 +104,13 @@ class Trainer:
     # (jnp.bfloat16), the state (master weights, AdamW) stays in dtype; None: compute in dtype.
     # Read back resolved: None when it is dtype (no cast at all)
     compute_dtype: Any = None
-    # the attention at cp = 1 and in Ulysses: "auto" (cuDNN's flash attention where it
-    # applies: a GPU, 16-bit layers), "xla" or "cudnn"; `kernel` says which runs
+    # the attention's kernel: "auto" (on a GPU for 16-bit layers: cuDNN's flash attention
+    # over whole sequences, the Pallas kernel for a ring's blocks), "xla", "cudnn" or
+    # "pallas" (recipe.choose_kernel); `kernel` says which runs
     attention_kernel: str = "auto"
 
     # ---- built from the arguments above, in __post_init__'s order ----
-    kernel: str = _built()                   # "cudnn" or "xla": what the layers' attention runs
+    kernel: str = _built()                   # "cudnn", "pallas" or "xla": what the layers' attention runs
     layers: recipe.Layers = _built()         # the model composed technique by technique (recipe.compose)
     mesh: jax.sharding.Mesh = _built()
     schedule: Schedule = _built()
@@ -133,8 +133,8 @@ class Trainer:
         devices = self._checked_devices()
         compute = recipe.layer_dtype(self.compute_dtype, self.dtype)
         self.compute_dtype = None if compute == jnp.dtype(self.dtype) else compute
-        self.kernel = choose_kernel(self.attention_kernel, dtype=compute, head_dim=self.cfg.head_dim,
-                                    platform=devices[0].platform)
+        self.kernel = recipe.choose_kernel(self.attention_kernel, self.cfg, self.spec, seq_len=self.seq_len,
+                                           dtype=compute, platform=devices[0].platform)
         self.layers = recipe.compose(self.cfg, self.spec, seq_len=self.seq_len, batch_size=self.batch_size,
                                      kernel=self.kernel, compute_dtype=self.compute_dtype)
         self.mesh = self.spec.mesh(devices)

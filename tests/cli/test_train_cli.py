@@ -127,6 +127,8 @@ def test_ctrl_c_mid_run_is_one_line_and_closes_the_checkpoints_after_their_save(
     (["--mesh", "dp=2", "--attention-kernel", "flash"], "--attention-kernel 'flash': use one of 'auto', 'xla', 'cudnn'"),
     # cuDNN where it cannot run: on this CPU run, the platform; on a GPU, float32 layers
     (["--mesh", "dp=2", "--attention-kernel", "cudnn"], "--attention-kernel 'cudnn' cannot run here"),
+    # the Pallas kernel's tiles: head_dim 16/4 = 4 is under its 16, on every platform
+    (["--mesh", "dp=2", "--attention-kernel", "pallas"], "--attention-kernel 'pallas' cannot run here: head_dim=4"),
 ])
 def test_bad_input_is_one_line(capsys, argv, piece):
     code, out, err = run(capsys, "train", "--steps", "2", *argv, *SMALL[:-1], "--layers", "4", "--batch", "4")

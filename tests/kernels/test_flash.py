@@ -24,6 +24,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.kernels import attention as kernel
 from jaxpar.kernels import flash
 from jaxpar.testing import assert_close, precision_policy, tolerance
+from jaxpar.train import ParallelSpec, Trainer, recipe
 
 GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not GPU, reason="the Pallas kernel compiles through Triton on an NVIDIA GPU; this "
@@ -173,3 +174,44 @@ def test_the_ring_through_the_kernel_moves_what_the_formula_says():
         run = context_verify.run_attention("ring", mesh, case)
     assert run.collectives_match, (run.forward, run.formula_forward, run.backward, run.formula_backward)
     assert run.compared[2], run.compared
+
+
+@pytest.mark.parametrize("requested, spec, platform, expected", [
+    ("auto", ParallelSpec(cp=2), "gpu", "pallas"), ("auto", ParallelSpec(cp=2, layout="zigzag"), "gpu", "pallas"),
+    ("auto", ParallelSpec(cp=2), "cpu", "xla"), ("auto", ParallelSpec(), "gpu", "cudnn"),
+    ("auto", ParallelSpec(cp=2, attention="ulysses"), "gpu", "cudnn"), ("pallas", ParallelSpec(), "gpu", "pallas"),
+    ("xla", ParallelSpec(cp=2), "gpu", "xla")])
+def test_the_trainer_takes_the_ring_blocks_kernel_at_cp_above_one(requested, spec, platform, expected):
+    """What the trainer's attention runs (recipe.choose_kernel): a ring's blocks at cp > 1,
+    the whole sequence at cp = 1 and under Ulysses (bf16 layers, T = 4096, heads of 128)."""
+    cfg = reference.ModelConfig(d_model=1024, n_heads=8, n_kv_heads=4, head_dim=128)
+    assert recipe.choose_kernel(requested, cfg, spec, seq_len=4096, dtype=jnp.bfloat16, platform=platform) == expected
+
+
+@pytest.mark.parametrize("requested, spec, platform, says", [
+    ("pallas", ParallelSpec(cp=2), "cpu", "interpreted"), ("pallas", ParallelSpec(), "cpu", "interpreted"),
+    ("cudnn", ParallelSpec(cp=2), "gpu", "merged lse")])
+def test_the_trainer_refuses_a_kernel_it_cannot_run_before_building(requested, spec, platform, says):
+    cfg = reference.ModelConfig(d_model=1024, n_heads=8, n_kv_heads=4, head_dim=128)
+    with pytest.raises(ConfigError, match=says):
+        recipe.choose_kernel(requested, cfg, spec, seq_len=4096, dtype=jnp.bfloat16, platform=platform)
+
+
+@needs_gpu
+def test_the_trainer_through_the_kernel_on_a_gpu_follows_the_xla_attention():
+    """Three bf16 training steps of a small model with attention_kernel="pallas" (the whole
+    sequence through the kernel) and "xla", same init and batches: the losses agree
+    within the bf16 rule."""
+    cfg = reference.ModelConfig(d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=512, vocab=256)
+    tokens = jax.random.randint(jax.random.key(0), (4, 257), 0, cfg.vocab)
+    losses = {}
+    for name in ("pallas", "xla"):
+        trainer = Trainer(cfg, ParallelSpec(), batch_size=4, seq_len=256, devices=jax.devices()[:1],
+                          compute_dtype=jnp.bfloat16, attention_kernel=name)
+        assert trainer.kernel == name
+        state = trainer.init(jax.random.key(1))
+        losses[name] = []
+        for _ in range(3):
+            state, metrics = trainer.step(state, trainer.put(tokens))
+            losses[name].append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses["pallas"], losses["xla"], rtol=tolerance(jnp.bfloat16)[0])

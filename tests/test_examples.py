@@ -86,7 +86,8 @@ EXPECTED = {
     "12_attention_kernel.py": ["gpu bfloat16 head_dim 128  auto -> cudnn", "gpu float32  head_dim 128  auto -> xla",
                                "ConfigError: attention_kernel='cudnn' cannot run here: dtype float32",
                                "dV: |xla - reference| / |reference| = 0.0e+00", "the flash model's statistics",
-                               "bfloat16 layers on cpu: xla attention (T x T scores)"]
+                               "bfloat16 layers on cpu: xla attention (T x T scores; a ring's blocks key chunk by key chunk)",
+                               "gpu bfloat16 auto -> pallas", "zigzag, float32: max |ring - reference| = "]
 }
 
 

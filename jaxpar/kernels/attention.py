@@ -123,7 +123,7 @@ def describe(implementation: str) -> str:
     """One line for a summary: which attention ran and what it keeps."""
     return {"cudnn": "cudnn flash attention (no T x T scores)",
             "pallas": "pallas flash attention (no T x T scores)",
-            "xla": "xla attention (T x T scores)"}[implementation]
+            "xla": "xla attention (T x T scores; a ring's blocks key chunk by key chunk)"}[implementation]
 
 
 def attention(q, k, v, *, causal: bool = True, implementation: str = "auto"):

@@ -147,7 +147,8 @@ def balance_reduction(*, cfg, layers: int, dtype, dp: int = 1, ep: int = 1, cp: 
     dp * ep * cp * tp devices. {} when the model does not balance (aux_loss = 0 and
     bias_rate = 0, or dense) or that group is one device. The balance loss joins the
     loss's own all-reduce, and the router bias's gradient (zero) is reduced as any
-    weight's: neither adds anything here."""
+    weight's (not at all at pp = 1, where XLA sees the zero and folds it: train.summary):
+    neither adds anything here."""
     for name, value in (("layers", layers), ("dp", dp), ("ep", ep), ("cp", cp), ("tp", tp)):
         errors.whole(name, value)
     if not isinstance(cfg, MoESizes):

@@ -73,13 +73,7 @@ class Direct:
         if self.request.input_grads:
             raise ConfigError("Direct does not return input gradients: use pipeline.runtime.local")
         with jax.named_scope(SCOPE):
-            loss, *grads = self._accumulate(*varying((params, first_params, last_params), self.axes), inputs,
-                                            targets)
-            # each gradient after the loss: XLA's all-reduce combiner would otherwise merge the
-            # loss's tp all-reduce (which no gradient waits for) with the caller's reductions,
-            # and the stage's collectives would no longer be told apart from the step's
-            grads = jax.tree.map(lambda g: jax.lax.optimization_barrier((loss, g))[1], grads)
-            return loss, *grads
+            return self._accumulate(*varying((params, first_params, last_params), self.axes), inputs, targets)
 
     def _accumulate(self, params, first_params, last_params, inputs, targets):
         """The loss and gradients summed over the microbatches (m = 1: no loop)."""

@@ -41,29 +41,42 @@ from jaxpar.pipeline.plan import LANE_SCOPES, LAYER_SCOPE
 from jaxpar.train import formulas as train_formulas
 
 
-def _weights(trainer) -> list:
+def _weights(trainer, *, leave_out: tuple[str, ...] = ()) -> list:
     """Every weight as data parallelism's formulas see it (`data.reduce.weights`): the
     embedding's and the head's gradients also summed over pp; under ZeRO-3 each as its
-    stored dp-th, split over dp (the layers' backward reduce-scattered it there)."""
+    stored dp-th, split over dp (the layers' backward reduce-scattered it there). Without
+    the blocks' leaves named in `leave_out`."""
     pp = (PP,) if trainer.spec.pp > 1 else ()
+    kept = lambda kind, tree: {k: v for k, v in tree.items() if kind != "blocks" or k not in leave_out}
     if trainer.spec.zero == 3:    # the weights as stored, their dp-th: what the reduction sums
         return [w for kind in ("blocks", "first", "last")
-                for w in weights(trainer.shapes[kind], trainer.stored_param_specs[kind], sizes=trainer.mesh.shape,
-                                 extra=() if kind == "blocks" else pp)]
+                for w in weights(kept(kind, trainer.shapes[kind]), kept(kind, trainer.stored_param_specs[kind]),
+                                 sizes=trainer.mesh.shape, extra=() if kind == "blocks" else pp)]
     return [w for kind in ("blocks", "first", "last")
-            for w in weights(trainer.shapes[kind], trainer.param_specs[kind], sizes=trainer.mesh.shape,
-                             extra=() if kind == "blocks" else pp, zero_dims=trainer.zero_dims[kind])]
+            for w in weights(kept(kind, trainer.shapes[kind]), kept(kind, trainer.param_specs[kind]),
+                             sizes=trainer.mesh.shape, extra=() if kind == "blocks" else pp,
+                             zero_dims=kept(kind, trainer.zero_dims[kind]))]
+
+
+def _constant_gradients(trainer) -> tuple[str, ...]:
+    """The blocks' weights whose gradient XLA sees is a constant, and whose reduction it
+    therefore folds away: in the one-stage program (pp = 1, `pipeline.direct`) the router
+    bias's, a zero (the bias only chooses, `train.balance`) that nothing between the
+    backward and the reduction hides; in the pipeline it passes through the loop's
+    gradient buffers and is reduced as any weight's."""
+    return ("router_bias",) if trainer.spec.pp == 1 and "router_bias" in trainer.shapes["blocks"] else ()
 
 
 def expected_reductions(trainer) -> dict[int, float]:
     """{group size: bytes} of the step's all-reduces outside the pipeline loop: the
     gradients' (`data.formulas.reduction_bytes`: each over the batch axes its pspec does
     not split, the embedding's and the head's also over pp; under ZeRO-1 the dp part is
-    `expected_zero`'s), the norm's one scalar per weight (over the axes it is split over,
-    and dp under ZeRO-1), the loss, and load balancing's statistics."""
+    `expected_zero`'s; none of a gradient XLA folds, `_constant_gradients`), the norm's one
+    scalar per weight (over the axes it is split over, and dp under ZeRO-1), the loss, and
+    load balancing's statistics."""
     spec, sizes = trainer.spec, trainer.mesh.shape
     batch_axes, pp = trainer.local.request.batch_axes, ((PP,) if spec.pp > 1 else ())
-    found = _weights(trainer)
+    found = _weights(trainer, leave_out=_constant_gradients(trainer))
     out = data_formulas.reduction_bytes(found, sizes=sizes, batch_axes=batch_axes)
 
     def add(axes, nbytes):

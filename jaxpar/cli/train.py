@@ -39,14 +39,13 @@ FLAGS = {"dp": "--mesh dp", "pp": "--mesh pp", "tp": "--mesh tp", "cp": "--mesh 
          "microbatches": "--microbatches", "batch_size": "--batch", "seq_len": "--seq", "n_layers": "--layers",
          "n_heads": "--heads", "n_kv_heads": "--kv-heads", "vocab": "--vocab", "n_experts": "--experts",
          "d_ff": "--ffn", "chunks": "--chunks", "zero": "--zero", "compute_dtype": "--dtype", "attention": "--attention",
-         "layout": "--layout", "layers_per_stage": "--layers-per-stage",
+         "layout": "--layout", "recompute": "--recompute", "layers_per_stage": "--layers-per-stage",
          "schedule": "--schedule", "steps": "--steps", "warmup": "--warmup", "lr": "--lr", "every": "--every",
          "directory": "--checkpoint", "log": "--log", "router": "--router", "aux_loss": "--aux-loss",
          "bias_rate": "--bias-rate", "top_k": "--top-k", "eval_every": "--eval-every",
          "eval_batches": "--eval-batches", "coordinator": "--coordinator", "num_processes": "--processes",
          "process_id": "--process-id", "profile": "--profile", "resume": "--resume", "clip": "--clip",
          "attention_kernel": "--attention-kernel"}
-RECOMPUTE = {"all": True, "dots": "dots"}     # --recompute's values: ParallelSpec.recompute's
 HELP = "train the composed model on a dp x pp x tp x cp x ep mesh (lecture 7), with a summary"
 
 
@@ -61,10 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "e.g. 1,2,2,1 (the first and last stages also run the embedding and the LM head; "
                              "default: --layers split evenly; --layers defaults to their sum)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism on tp")
-    parser.add_argument("--recompute", nargs="?", const="all", default=None, choices=RECOMPUTE,
-                        help="what B recomputes: all (F keeps only each stage's input; the default when no value "
-                             "is given), or dots (F keeps the matmuls' and collectives' outputs, B recomputes "
-                             "norms, attention scores, softmax and activations: MaxText's remat_policy=minimal)")
+    parser.add_argument("--recompute", nargs="?", const="full", default="none",
+                        help="what B recomputes: none (the default), full (F keeps only each stage's input; what "
+                             "--recompute alone means), or dots (F keeps the matmuls' and collectives' outputs, "
+                             "B recomputes norms, attention scores, softmax and activations: MaxText's "
+                             "remat_policy=minimal)")
     parser.add_argument("--zero", type=int, default=0,
                         help="ZeRO over dp: 1 optimizer state sharded, 2 and gradients reduce-scattered (in one "
                              "compiled step ZeRO-1's program), 3 (FSDP) and the weights sharded, gathered layer by layer")
@@ -236,7 +236,7 @@ def main(args) -> int:
     processes = check_distributed(args)
     counts = None if args.layers_per_stage is None else stage_layers.parse_layer_split(args.layers_per_stage)
     spec = spec_lib.parse(args.mesh, schedule=args.schedule, chunks=args.chunks, sequence_parallel=args.sp,
-                          recompute=RECOMPUTE.get(args.recompute, False), zero=args.zero, attention=args.attention,
+                          recompute=args.recompute, zero=args.zero, attention=args.attention,
                           layout=args.layout, microbatches=1, layers_per_stage=counts)
     m = 2 * spec.pp if args.microbatches is None else args.microbatches
     spec = spec_lib.ParallelSpec(**{**spec.__dict__, "microbatches": m})

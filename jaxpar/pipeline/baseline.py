@@ -66,7 +66,7 @@ def gpipe_baseline(stage_fn: Callable, params, batch, *, mesh, microbatches: int
             loss, grads = jax.lax.psum((loss, grads), DP)
         return loss[None], jax.tree.map(lambda a: a[None, None], grads), dx[None], None, None
 
-    batch_spec = P(DP) if has_dp else P()
-    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(PP), batch_spec, batch_spec, None, None),
+    batch_pspec = P(DP) if has_dp else P()
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(PP), batch_pspec, batch_pspec, None, None),
                                  out_specs=(P(PP), P(PP), P(PP, DP) if has_dp else P(PP), None, None)))
     return Pipeline(step=step, plan=None, schedule=schedule, mesh=mesh)

@@ -57,11 +57,11 @@ class Direct:
         stage = req.stage_fn
         per_layer = [p for chunk in unstack(params) for p in unstack(chunk)] if isinstance(stage, layers) else None
         if per_layer is not None:
-            layer = jax.checkpoint(stage.layer_fn) if req.recompute else stage.layer_fn
+            layer = jax.checkpoint(stage.layer_fn) if req.recompute == "full" else stage.layer_fn
             for p in per_layer:
                 h = layer(p, h)
         else:
-            chunk_fn = jax.checkpoint(stage) if req.recompute else stage
+            chunk_fn = jax.checkpoint(stage) if req.recompute == "full" else stage
             for chunk in unstack(params):
                 h = chunk_fn(chunk, h)
         loss = req.loss_fn(last_params, h, target) if req.has_last else req.loss_fn(h, target)

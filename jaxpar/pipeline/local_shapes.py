@@ -33,7 +33,7 @@ class Batch:
     local: dict               # ShapeDtypeStructs of one microbatch's inputs and targets on a device
 
 
-def batch_shapes(batch, batch_spec, mesh, microbatches: int, first_fn, input_grads) -> Batch:
+def batch_shapes(batch, batch_pspec, mesh, microbatches: int, first_fn, input_grads) -> Batch:
     """The batch's pspecs and per-device microbatch shapes; refused unless its rows split
     over the batch axes x microbatches (and input_grads is possible)."""
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
@@ -46,12 +46,12 @@ def batch_shapes(batch, batch_spec, mesh, microbatches: int, first_fn, input_gra
     t_shape = errors.array("targets", targets, shape_doc="targets[B, ...]")
     if not in_shape or not t_shape:
         raise ConfigError(f"inputs {in_shape} and targets {t_shape}: both need a leading batch axis [B, ...]")
-    if batch_spec is None:
-        batch_spec = P(DP) if DP in mesh.shape else P()
-    in_pspec, target_pspec = batch_spec if isinstance(batch_spec, tuple) and not isinstance(batch_spec, P) \
-        else (batch_spec, batch_spec)
-    local_in = local_shape(in_shape, in_pspec, mesh, "batch_spec for the inputs")
-    local_t = local_shape(t_shape, target_pspec, mesh, "batch_spec for the targets")
+    if batch_pspec is None:
+        batch_pspec = P(DP) if DP in mesh.shape else P()
+    in_pspec, target_pspec = batch_pspec if isinstance(batch_pspec, tuple) and not isinstance(batch_pspec, P) \
+        else (batch_pspec, batch_pspec)
+    local_in = local_shape(in_shape, in_pspec, mesh, "batch_pspec for the inputs")
+    local_t = local_shape(t_shape, target_pspec, mesh, "batch_pspec for the targets")
     in_pspec, target_pspec = drop_unit(in_pspec, mesh), drop_unit(target_pspec, mesh)
     rows = in_shape[0]
     if t_shape[0] != rows:

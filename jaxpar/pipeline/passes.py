@@ -18,7 +18,7 @@ the template that rebuilds the pullback in B, are learned by tracing F once (`le
 returned as a `Residuals` value: the passes hold no state. Chunk c's layer l is read from
 the [chunks, Lc, ...] parameters by one dynamic slice, and its gradient added into the
 [chunks, Lc, ...] accumulator by one dynamic update: weight gradients go in place, only in the
-passes that make them. With `recompute=True` F keeps only x and B (and W) run the forward
+passes that make them. With `recompute="full"` F keeps only x and B (and W) run the forward
 again.
 """
 
@@ -146,14 +146,14 @@ class Stack:
 
     layer_fn: Callable
     depth: int
-    recompute: bool
+    recompute: str          # "none" or "full": request.RECOMPUTE
     counts: tuple[tuple[int, ...], ...] | None = None
 
     def learn(self, params, x) -> Residuals:
         """What F stores (traced on chunk 0: every chunk's are alike) and what a split B
         keeps: each layer's output gradient, [depth, mb, ...]."""
         def stored():
-            if self.recompute:
+            if self.recompute == "full":
                 return self.forward(params, 0, x)[1], None
             return self._residuals(params, 0, x)[1:]
         return _learn(stored, jax.ShapeDtypeStruct((self.depth, *x.shape), x.dtype))
@@ -182,7 +182,7 @@ class Stack:
 
     def forward(self, params, c, x) -> tuple[jax.Array, list]:
         """(y, what F stores): chunk c's layers on x [mb, ...]."""
-        if self.recompute:
+        if self.recompute == "full":
             def body(h, l):
                 if self.counts is None:
                     return self.layer_fn(read(params, (c, l)), h), None
@@ -192,7 +192,7 @@ class Stack:
         return self._residuals(params, c, x)[:2]
 
     def _stored(self, params, c, stored, template) -> tuple[list, VjpTemplate]:
-        if self.recompute:
+        if self.recompute == "full":
             return self._residuals(params, c, stored[0])[1:]
         return stored, template
 
@@ -263,25 +263,25 @@ class Whole:
     """Any stage function, as one vjp over the stage."""
 
     stage_fn: Callable
-    recompute: bool
+    recompute: str          # "none" or "full": request.RECOMPUTE
 
     def learn(self, params, x) -> Residuals:
         """What F stores (traced on chunk 0) and what a split B keeps: the output gradient."""
         def stored():
-            if self.recompute:
+            if self.recompute == "full":
                 return self.forward(params, 0, x)[1], None
             return split_vjp(self.stage_fn, read(params, (0,)), x)[1:]
         return _learn(stored, jax.ShapeDtypeStruct(x.shape, x.dtype))
 
     def forward(self, params, c, x) -> tuple[jax.Array, list]:
         chunk = read(params, (c,))
-        if self.recompute:
+        if self.recompute == "full":
             return self.stage_fn(chunk, x), [x]
         return split_vjp(self.stage_fn, chunk, x)[:2]
 
     def _pullback(self, params, c, stored, template) -> Callable:
         chunk = read(params, (c,))
-        if self.recompute:
+        if self.recompute == "full":
             return jax.vjp(self.stage_fn, chunk, stored[0])[1]
         return join_vjp(template, chunk, stored)
 

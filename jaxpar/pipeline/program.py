@@ -174,7 +174,7 @@ class Program:
         x = varying(jnp.zeros(act.shape, act.dtype), act_axes)
         varies = ("stage_fn's output varies over more axes than its input: a per-shard stage returns its "
                   "activation laid out as it came in (sum partial results with psum, or split the batch over "
-                  "that axis with batch_spec)")
+                  "that axis with batch_pspec)")
         try:
             (y,), (y_axes,) = shapes_and_axes(lambda: [self.passes.forward(params, 0, x)[0]])
         except TypeError as e:

@@ -1,7 +1,7 @@
 """One pipeline step, asked for and checked once: the `Request` that `runtime.local`,
 `runtime.pipeline` and `runtime.run` build from, and that `run`'s cache is keyed by.
 
-    req = runtime.request(schedule, stage_fn, params, batch, mesh=m, recompute=True)
+    req = runtime.request(schedule, stage_fn, params, batch, mesh=m, recompute="full")
     pipe = runtime.pipeline(req)                    # or runtime.local(req) inside your own shard_map
 
 `make(schedule, stage_fn, params, batch, mesh=m, ends=Ends(...), options=Options(...))`
@@ -39,6 +39,11 @@ from jaxpar.pipeline.stage import layers, mse
 from jaxpar.pipeline.stage_layers import is_even, layer_split
 
 
+# What B runs again of F (the glossary's recompute): "none", or "full" (F keeps each stage's
+# input, B runs its forward again). The trainer's "dots" lives inside its layers.
+RECOMPUTE = ("none", "full")
+
+
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class Request:
     """A checked request for one pipeline step (build it with `make`).
@@ -49,8 +54,8 @@ class Request:
     unused slots start with), input_grads (whether d loss / d inputs is returned).
     Shapes (global ShapeDtypeStruct trees): params [L, ...] leaves, inputs and targets
     [B, ...], first_params and last_params (or None).
-    Pspecs over the non-pp axes, one PartitionSpec per leaf: param_specs (one layer,
-    without its layer axis), first_specs, last_specs, in_pspec and target_pspec.
+    Pspecs over the non-pp axes, one PartitionSpec per leaf: param_pspecs (one layer,
+    without its layer axis), first_pspecs, last_pspecs, in_pspec and target_pspec.
     layers_per_stage: the layers of each model stage (p*chunks counts in model order: uneven
     stages when they differ; `stage_layers.layer_split`), the even split when not given.
     Found: n_layers, batch_axes (the axes of more than one device the batch is split
@@ -62,7 +67,7 @@ class Request:
     mesh: Mesh
     loss_fn: Callable
     first_fn: Callable | None
-    recompute: bool
+    recompute: str                # "none" or "full" (RECOMPUTE)
     bubble_fill: float
     input_grads: bool
     params: Any
@@ -70,9 +75,9 @@ class Request:
     targets: jax.ShapeDtypeStruct
     first_params: Any
     last_params: Any
-    param_specs: Any
-    first_specs: Any
-    last_specs: Any
+    param_pspecs: Any
+    first_pspecs: Any
+    last_pspecs: Any
     in_pspec: P
     target_pspec: P
     n_layers: int
@@ -116,7 +121,7 @@ class Request:
                  tuple(sorted(s.costs.items())), tuple(tuple(row) for row in s.actions))
         shapes = tuple(_frozen(t) for t in (self.params, self.inputs, self.targets, self.first_params,
                                             self.last_params))
-        pspecs = tuple(_frozen(t, pspec=True) for t in (self.param_specs, self.first_specs, self.last_specs,
+        pspecs = tuple(_frozen(t, pspec=True) for t in (self.param_pspecs, self.first_pspecs, self.last_pspecs,
                                                       self.in_pspec, self.target_pspec))
         return (table, self.stage_fn, self.loss_fn, self.first_fn, self.mesh, self.recompute,
                 repr(self.bubble_fill), self.input_grads, shapes, pspecs, self.layers_per_stage)
@@ -157,14 +162,14 @@ class Ends:
     """first_fn's parameters (arrays or ShapeDtypeStructs; only their shapes are kept);
     None without first_fn."""
 
-    first_specs: Any = None
+    first_pspecs: Any = None
     """PartitionSpecs of first_params over the non-pp axes, one per leaf. None: replicated."""
 
     last_params: Any = None
     """The loss's own parameters (e.g. the LM head), passed first to loss_fn. None: the loss
     takes (y, targets) only."""
 
-    last_specs: Any = None
+    last_pspecs: Any = None
     """PartitionSpecs of last_params over the non-pp axes, one per leaf. None: replicated."""
 
 
@@ -173,7 +178,7 @@ class Options:
     """How the step runs and how its parameters and batch are laid out. The defaults run
     the plain pipeline: nothing recomputed, data parallel over dp, even stages."""
 
-    recompute: bool = False
+    recompute: str = "none"
     """Keep only each stage's input between F and B and run the forward again in B: less
     activation memory for one more forward. Default off: the residuals are kept."""
 
@@ -185,12 +190,12 @@ class Options:
     """Also return d loss / d inputs. None: when the inputs are floating point (there is no
     gradient with respect to token ids)."""
 
-    param_specs: Any = None
+    param_pspecs: Any = None
     """PartitionSpecs of one layer's parameters over the non-pp axes, without the layer
     axis, one per leaf (e.g. tensor-parallel weights over tp). None: replicated."""
 
-    batch_spec: P | tuple | None = None
-    """The batch's PartitionSpec, or a pair (inputs' spec, targets' spec); the rows split
+    batch_pspec: P | tuple | None = None
+    """The batch's PartitionSpec, or a pair (inputs' pspec, targets' pspec); the rows split
     over its first entry, then into microbatches. None: P("dp") when the mesh has dp."""
 
     layers_per_stage: tuple[int, ...] | None = None
@@ -204,7 +209,7 @@ _OPTIONS = tuple(f.name for f in dataclasses.fields(Options))
 
 def from_keywords(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, **keywords) -> Request:
     """`make` with the fields of Ends and Options given as keywords, as `runtime.request`,
-    `runtime.run` and `runtime.pipeline` take them: (..., mesh=m, recompute=True)."""
+    `runtime.run` and `runtime.pipeline` take them: (..., mesh=m, recompute="full")."""
     for name in keywords:
         if name not in _ENDS and name not in _OPTIONS:
             raise TypeError(f"request() got an unexpected keyword argument {name!r}")
@@ -225,13 +230,13 @@ def make(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, ends: E
     _check_mesh(schedule, mesh)
     n_layers = _layer_count(params)
     layers_per_stage = _layers_per_stage(options.layers_per_stage, n_layers, schedule, stage_fn)
-    batch_found = local_shapes.batch_shapes(batch, options.batch_spec, mesh, schedule.microbatches, ends.first_fn,
+    batch_found = local_shapes.batch_shapes(batch, options.batch_pspec, mesh, schedule.microbatches, ends.first_fn,
                                             options.input_grads)
-    param_specs, local_params = local_shapes.pspecs(params, options.param_specs, mesh, "param_specs", skip=1)
+    param_pspecs, local_params = local_shapes.pspecs(params, options.param_pspecs, mesh, "param_pspecs", skip=1)
     if ends.first_params is not None and ends.first_fn is None:
         raise ConfigError("first_params given without first_fn: give first_fn(first_params, inputs) -> activation")
-    first_specs, local_first = local_shapes.edge_pspecs(ends.first_params, ends.first_specs, mesh, "first_specs")
-    last_specs, local_last = local_shapes.edge_pspecs(ends.last_params, ends.last_specs, mesh, "last_specs")
+    first_pspecs, local_first = local_shapes.edge_pspecs(ends.first_params, ends.first_pspecs, mesh, "first_pspecs")
+    last_pspecs, local_last = local_shapes.edge_pspecs(ends.last_params, ends.last_pspecs, mesh, "last_pspecs")
     _check_options(recompute=options.recompute, bubble_fill=options.bubble_fill)
     local = dict(batch_found.local, params=local_params, first=local_first, last=local_last,
                  stage=jax.tree.map(lambda a: jax.ShapeDtypeStruct((max(layers_per_stage), *a.shape[1:]), a.dtype),
@@ -241,7 +246,7 @@ def make(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, ends: E
                    recompute=options.recompute, bubble_fill=options.bubble_fill, input_grads=batch_found.input_grads,
                    params=_shapes(params), inputs=_shapes(batch[0]), targets=_shapes(batch[1]),
                    first_params=_shapes(ends.first_params), last_params=_shapes(ends.last_params),
-                   param_specs=param_specs, first_specs=first_specs, last_specs=last_specs,
+                   param_pspecs=param_pspecs, first_pspecs=first_pspecs, last_pspecs=last_pspecs,
                    in_pspec=batch_found.in_pspec, target_pspec=batch_found.target_pspec, n_layers=n_layers,
                    layers_per_stage=layers_per_stage, batch_axes=batch_found.axes, loss_dtype=loss_dtype, local=local)
 
@@ -302,9 +307,9 @@ def _layers_per_stage(layers_per_stage, n_layers: int, schedule: Schedule, stage
 
 
 def _check_options(*, recompute, bubble_fill) -> None:
-    """Refuse options of the wrong type (recompute a bool; bubble_fill a real number, NaN
-    allowed: it marks the slots nothing reads)."""
-    errors.flag("recompute", recompute)
+    """Refuse options of the wrong type (recompute one of RECOMPUTE; bubble_fill a real
+    number, NaN allowed: it marks the slots nothing reads)."""
+    errors.one_of("recompute", recompute, RECOMPUTE)
     if isinstance(bubble_fill, bool) or not isinstance(bubble_fill, (int, float, np.floating, np.integer)):
         raise ConfigError(f"bubble_fill={bubble_fill!r}: give a number (0.0, or float('nan') to show that "
                           "nothing reads an unused slot)")

@@ -14,12 +14,12 @@ x) -> y` runs them (`layers(layer_fn)` builds one whose layers run under lax.sca
 plan's steps (`plan.py`), inside ONE shard_map over every axis of the mesh:
 
   * over pp, the schedule: each device runs its row of the plan;
-  * over the axes `batch_spec` splits the batch on (dp by default; (dp, ep), or cp on the
+  * over the axes `batch_pspec` splits the batch on (dp by default; (dp, ep), or cp on the
     sequence, for a composed model), data parallelism: the gradients of a weight are
     summed once, at the end, over those of these axes its PartitionSpec does not split
     (`jaxpar.data.reduce_gradients`, the trainer's reduction too);
   * over any other axis (tp, ...), nothing: the stage function is per-shard code, and
-    `param_specs` (PartitionSpecs of one layer's parameters, over the non-pp axes) say
+    `param_pspecs` (PartitionSpecs of one layer's parameters, over the non-pp axes) say
     how its parameters are split. A TP stage is `tensor.layers.block_shard` over tp.
 
 `first_fn(first_params, inputs) -> activation` runs on stage 0 (e.g. the vocab-parallel
@@ -178,17 +178,17 @@ def pipeline(request: Request | Schedule, *args, **options) -> Pipeline:
         loss, grads, dx, g_first, g_last = program(params, to_microbatches(inputs, m), to_microbatches(targets, m),
                                                    first_params, last_params)
         loss = jax.lax.psum(loss, req.batch_axes) if req.batch_axes else loss
-        grads, g_first, g_last = (reduce(grads, req.param_specs), reduce(g_first, req.first_specs),
-                                  reduce(g_last, req.last_specs))
+        grads, g_first, g_last = (reduce(grads, req.param_pspecs), reduce(g_first, req.first_pspecs),
+                                  reduce(g_last, req.last_pspecs))
         dx = from_microbatches(dx)[None] if req.input_grads else None
         lead = lambda t: jax.tree.map(lambda a: a[None], t)
         return loss[None], lead(grads), dx, lead(g_first), lead(g_last)
 
-    stage_pspecs = jax.tree.map(staged, req.param_specs)
+    stage_pspecs = jax.tree.map(staged, req.param_pspecs)
     edge = lambda pspecs: None if pspecs is None else jax.tree.map(lambda s: P(PP, *s), pspecs)
-    in_specs = (stage_pspecs, req.in_pspec, req.target_pspec, req.first_specs, req.last_specs)
-    out_specs = (P(PP), stage_pspecs, P(PP, *req.in_pspec) if req.input_grads else None, edge(req.first_specs),
-                 edge(req.last_specs))
+    in_specs = (stage_pspecs, req.in_pspec, req.target_pspec, req.first_pspecs, req.last_pspecs)
+    out_specs = (P(PP), stage_pspecs, P(PP, *req.in_pspec) if req.input_grads else None, edge(req.first_pspecs),
+                 edge(req.last_pspecs))
     step = jax.jit(jax.shard_map(per_device, mesh=req.mesh, in_specs=in_specs, out_specs=out_specs),
                    compiler_options=compiler_options(req.mesh))
     return Pipeline(step=step, plan=plan, schedule=req.schedule, mesh=req.mesh,
@@ -209,8 +209,8 @@ def run(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, **option
     """Run one training step's forward and backward with `schedule` on `mesh` (axis pp,
     and any others): (loss, Grads(params, inputs, first, last)), equal to the unsharded
     model's. `options` are `request`'s: the fields of request.Ends (loss_fn, first_fn,
-    first_params, first_specs, last_params, last_specs) and request.Options (recompute,
-    bubble_fill, input_grads, param_specs, batch_spec, layers_per_stage: uneven stages,
+    first_params, first_pspecs, last_params, last_pspecs) and request.Options (recompute,
+    bubble_fill, input_grads, param_pspecs, batch_pspec, layers_per_stage: uneven stages,
     e.g. (1, 2, 2, 1)). The step is built once per Request (schedule, functions, shapes,
     dtypes, mesh, pspecs, options) and kept in an LRU cache of CACHE_SIZE, so a loop
     compiles once."""

@@ -102,7 +102,7 @@ class ModelChoice:
 
 
 def compare(name: str, stages: int, microbatches: int, *, dp: int = 1, chunks: int | None = None,
-            model: ModelChoice = ModelChoice(), recompute: bool = False,
+            model: ModelChoice = ModelChoice(), recompute: str = "none",
             bubble_fill: float = float("nan")) -> Comparison:
     """Run `name` on a dp x pp mesh (bubble slots filled with NaN by default) and compare
     with the unsharded model: loss, input gradient and every parameter gradient."""

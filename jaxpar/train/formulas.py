@@ -138,7 +138,7 @@ def _hop(*, cfg, spec, batch_size: int, seq_len: int, dtype) -> Collectives:
 
 def _shared_hops(*, cfg, spec, batch_size: int, seq_len: int, dtype) -> Collectives:
     """The ring's K/V hops that a layer's backward sends again, of the same blocks as a
-    forward in the same computation (the recomputed one under recompute=True, else the
+    forward in the same computation (the recomputed one under recompute="full", else the
     first): XLA's CSE keeps one of each pair it sees outside a loop, the first hop, and
     with cp = 3 the second (context.ring._ring: steps 1..cp-2 are a scan, inlined when it
     runs once). Under recompute="dots" the first only: the checkpoint splits the forward's
@@ -225,7 +225,7 @@ def stage_collectives(*, cfg, spec, batch_size: int, seq_len: int, dtype, runs: 
     # is scanned like the rest, so nothing is merged away
     uneven = spec.layers_per_stage is not None and len(set(spec.layers_per_stage)) > 1
     alone = (depth == 1 and not uneven) or spec.pp == 1
-    if spec.recompute is True:
+    if spec.recompute == "full":
         again = _times(fwd, depth)
         if alone:
             again = again + _times(_output_only(**kw) + _shared_hops(**kw), -depth)
@@ -239,7 +239,7 @@ def stage_collectives(*, cfg, spec, batch_size: int, seq_len: int, dtype, runs: 
         # or under recompute B's rerun (F then keeps only the stage's input)
         balance = ep_formulas.balance_collectives(cfg=cfg, batch_size=_rows(spec, batch_size), seq_len=seq_len,
                                                   dtype=dtype, cp=spec.cp)
-        total = total + _times(balance, depth * (pullbacks if spec.recompute is True else runs["pipeline_F"]))
+        total = total + _times(balance, depth * (pullbacks if spec.recompute == "full" else runs["pipeline_F"]))
     total = total + _times(embedding(**kw), runs["pipeline_first"])
     total = total + _times(embedding(**kw, backward=True), runs["pipeline_first_backward"])
     return total + _times(head(**kw), runs["pipeline_loss"])

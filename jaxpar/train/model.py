@@ -3,7 +3,7 @@ dict of reference.init_params), how each is split, and the per-shard functions t
 it on a ParallelSpec.
 
     partition_names(cfg, tp=2)   every weight's dimension names (the mesh axis of each)
-    partition_specs(cfg, tp=2)   the same as PartitionSpecs: what the trainer lays out
+    weight_pspecs(cfg, tp=2)   the same as PartitionSpecs: what the trainer lays out
     split(params), join(tree)    the stages' parts: blocks, first (embedding), last (head)
 
 The same parameters as a flax NNX module with this partition metadata are
@@ -54,7 +54,7 @@ def _names(pspec: P, ndim: int) -> tuple:
 def partition_names(cfg: reference.ModelConfig, tp: int = 2) -> dict:
     """Every weight's dimension names, the mesh axis each dimension is split over (None:
     not split), in reference.init_params's structure: the trainer's pspecs
-    (`partition_specs`), and the metadata of the NNX view (`nnx_model.LanguageModel`).
+    (`weight_pspecs`), and the metadata of the NNX view (`nnx_model.LanguageModel`).
     Megatron's layout over tp is the tensor package's (`TPSpecs.named`: the KV
     heads replicated when tp > K; `VocabSpecs`); on top of it the L layers are stacked
     over pp and an MoE's experts split over ep, each expert's FFN over tp as the dense
@@ -73,7 +73,7 @@ def partition_names(cfg: reference.ModelConfig, tp: int = 2) -> dict:
 
 
 @functools.cache
-def partition_specs(cfg: reference.ModelConfig, tp: int = 2) -> dict:
+def weight_pspecs(cfg: reference.ModelConfig, tp: int = 2) -> dict:
     """Every weight's PartitionSpec (`partition_names` as pspecs), in reference.init_params's
     structure. Shared: do not mutate."""
     return jax.tree.map(lambda names: P(*names), partition_names(cfg, tp), is_leaf=lambda x: isinstance(x, tuple))
@@ -81,11 +81,11 @@ def partition_specs(cfg: reference.ModelConfig, tp: int = 2) -> dict:
 
 def stage_pspecs(cfg: reference.ModelConfig, spec: ParallelSpec) -> tuple[dict, dict, dict]:
     """(one layer's PartitionSpecs over the non-pp axes, the first stage's pspecs, the last
-    stage's pspecs) for the trainer on `spec`: the model's metadata (`partition_specs`)
+    stage's pspecs) for the trainer on `spec`: the model's metadata (`weight_pspecs`)
     split by stage, the layers' pp dimension dropped, axes of one device left out."""
     sizes = spec.sizes
     keep = lambda names: P(*(n if n is not None and sizes.get(n, 1) > 1 else None for n in names))
-    parts = split(partition_specs(cfg, spec.tp))
+    parts = split(weight_pspecs(cfg, spec.tp))
     return ({k: keep(tuple(s)[1:]) for k, s in parts["blocks"].items()},
             {k: keep(s) for k, s in parts["first"].items()}, {k: keep(s) for k, s in parts["last"].items()})
 
@@ -97,7 +97,7 @@ def zero3_dims(cfg: reference.ModelConfig, spec: ParallelSpec) -> dict:
     local shard under `stage_pspecs`; -1: whole). All -1 unless spec.zero == 3. The router
     bias stays whole: the bias rule moves it from the whole load, not AdamW from a gradient;
     so does every vector (a norm's gain).
-    The trainer's state lays the blocks out [pp, v, Lc, ...]: there a dimension is 3 more."""
+    The trainer's state lays the blocks out [pp, chunks, Lc, ...]: there a dimension is 3 more."""
     shapes = split(jax.eval_shape(lambda: reference.init_params(jax.random.key(0), cfg)))
     layer = {k: jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for k, a in shapes["blocks"].items()}
     layer_pspecs, first_pspecs, last_pspecs = stage_pspecs(cfg, spec)

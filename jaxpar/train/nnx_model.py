@@ -2,7 +2,7 @@
 their partition metadata, for users of NNX's own tools (nnx.split, nnx.get_partition_spec).
 
     model = LanguageModel(cfg, key=jax.random.key(0))
-    nnx.get_partition_spec(nnx.state(model))   # = model.partition_specs(cfg, tp): how each weight is split
+    nnx.get_partition_spec(nnx.state(model))   # = model.weight_pspecs(cfg, tp): how each weight is split
     model(tokens)                               # logits, unsharded (reference.forward)
     model.params()                              # the plain dict reference.init_params gives
 

@@ -72,7 +72,7 @@ class Layers:
     layers_per_stage: tuple | None = None   # pipeline: uneven stages (None: even)
     zero_dims: dict                     # data: ZeRO-3's dimension of each weight split over dp (-1: whole)
     checkpoint_policy: Callable | None = None   # recompute "dots": what jax.checkpoint keeps
-    recompute_stages: bool = False      # recompute True: each stage keeps its input, F runs again in B
+    recompute_stages: bool = False      # recompute "full": each stage keeps its input, F runs again in B
     compute_dtype: Any = None           # precision: the layers' dtype (None: the weights')
 
 
@@ -181,7 +181,7 @@ def apply_recompute(layers: Layers, spec: ParallelSpec) -> Layers:
     """§4.3: True keeps each stage's input and runs F again in B (`pipeline.passes`);
     "dots" keeps the matmuls' and collectives' outputs (`model.keep_dots`)."""
     policy = model_lib.keep_dots if spec.recompute == "dots" else None
-    return dataclasses.replace(layers, checkpoint_policy=policy, recompute_stages=spec.recompute is True)
+    return dataclasses.replace(layers, checkpoint_policy=policy, recompute_stages=spec.recompute == "full")
 
 
 def apply_precision(layers: Layers, compute_dtype) -> Layers:
@@ -233,9 +233,9 @@ def program(layers: Layers, spec: ParallelSpec, mesh, shapes: dict) -> runtime.L
     pspecs = layers.pspecs
     return runtime.local(
         layers.schedule, stage_fn, shapes["blocks"], (ids, ids), mesh=mesh, loss_fn=loss_fn,
-        recompute=layers.recompute_stages, input_grads=False, param_specs=pspecs["blocks"],
-        batch_spec=batch_pspecs(spec)[1], first_fn=first_fn, first_params=shapes["first"],
-        first_specs=pspecs["first"], last_params=shapes["last"], last_specs=pspecs["last"],
+        recompute="full" if layers.recompute_stages else "none", input_grads=False, param_pspecs=pspecs["blocks"],
+        batch_pspec=batch_pspecs(spec)[1], first_fn=first_fn, first_params=shapes["first"],
+        first_pspecs=pspecs["first"], last_params=shapes["last"], last_pspecs=pspecs["last"],
         layers_per_stage=layers.layers_per_stage)
 
 

@@ -34,6 +34,8 @@ AXES = tuple(a for a in mesh_lib.AXIS_ORDER if a in SPLITS)
 BATCH_AXES = tuple(a for a in AXES if SPLITS[a] == "rows")      # (dp, ep): the batch's rows
 ATTENTION = ("ring", "ulysses")
 LAYOUTS = ("contiguous", "zigzag")
+# What B runs again of F: the glossary's words (memory.activations counts "selective" too)
+RECOMPUTE = ("none", "full", "dots")
 ZERO = (0, 1, 2, 3)           # ZeRO stages: what is sharded over dp (data.zero)
 
 
@@ -41,8 +43,8 @@ ZERO = (0, 1, 2, 3)           # ZeRO stages: what is sharded over dp (data.zero)
 class ParallelSpec:
     """dp, pp, tp, cp, ep: the mesh. schedule, chunks (model chunks per device; None:
     the schedule's own), microbatches: the pipeline. sequence_parallel: Megatron's SP on
-    the tp axis. recompute: False (keep every residual of F for B), True (keep only each
-    stage's input, run F again in B) or "dots" (keep the outputs of the matmuls without
+    the tp axis. recompute (RECOMPUTE): "none" (keep every residual of F for B), "full"
+    (keep only each stage's input, run F again in B) or "dots" (keep the outputs of the matmuls without
     batch dimensions and of the collectives, recompute the rest in B: MaxText's
     remat_policy=minimal, with no collective run again). zero: 0, 1
     (ZeRO-1: optimizer state sharded over dp), 2 (ZeRO-2: and the gradients; in one
@@ -62,7 +64,7 @@ class ParallelSpec:
     chunks: int | None = None
     microbatches: int = 1
     sequence_parallel: bool = False
-    recompute: bool | str = False
+    recompute: str = "none"
     zero: int = 0
     attention: str = "ring"
     layout: str = "contiguous"
@@ -80,8 +82,10 @@ class ParallelSpec:
             problems.append(f"chunks={self.chunks!r} must be None (the schedule's own) or a whole number in 1..64")
         if not isinstance(self.sequence_parallel, bool):
             problems.append(f"sequence_parallel={self.sequence_parallel!r} must be True or False")
-        if not (isinstance(self.recompute, bool) or self.recompute == "dots"):
-            problems.append(f"recompute={self.recompute!r} must be False (keep every residual), True (keep each "
+        if isinstance(self.recompute, bool):           # the words before the glossary's, read as they meant
+            object.__setattr__(self, "recompute", "full" if self.recompute else "none")
+        if self.recompute not in RECOMPUTE:
+            problems.append(f"recompute={self.recompute!r} must be 'none' (keep every residual), 'full' (keep each "
                             "stage's input, run F again in B) or 'dots' (keep the matmuls' and collectives' "
                             "outputs, recompute the rest)")
         if self.zero not in ZERO or isinstance(self.zero, bool):
@@ -127,7 +131,7 @@ class ParallelSpec:
                  "layers " + "/".join(map(str, self.layers_per_stage)) if self.uneven else None, "sp" if self.sequence_parallel else None,
                  f"zero{self.zero}" if self.zero else None, self.attention if self.cp > 1 else None,
                  self.layout if self.cp > 1 and self.layout != "contiguous" else None,
-                 {True: "recompute", "dots": "recompute dots"}.get(self.recompute)]
+                 {"full": "recompute", "dots": "recompute dots"}.get(self.recompute)]
         return " x ".join(parts) + "".join(f" {e}" for e in extra if e)
 
     def make_schedule(self) -> schedule_lib.Schedule:

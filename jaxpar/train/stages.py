@@ -73,8 +73,8 @@ def arguments(params: dict, tokens, *, mesh, cfg: reference.ModelConfig) -> tupl
     parts = split(params)
     blocks, first, last = parts["blocks"], parts["first"], parts["last"]
     return stage, blocks, (tokens[:, :-1], tokens[:, 1:]), dict(
-        mesh=mesh, loss_fn=loss_fn, param_specs=param_pspecs, first_fn=first_fn, first_params=first,
-        first_specs=first_pspecs, last_params=last, last_specs=last_pspecs)
+        mesh=mesh, loss_fn=loss_fn, param_pspecs=param_pspecs, first_fn=first_fn, first_params=first,
+        first_pspecs=first_pspecs, last_params=last, last_pspecs=last_pspecs)
 
 
 def pp_tp_loss(params: dict, tokens, *, mesh, cfg: reference.ModelConfig, schedule: Schedule):

@@ -19,7 +19,7 @@ Inside the one shard_map, on every device:
      over ep), the vocab-parallel embedding on the first stage and the LM head and
      cross-entropy on the last;
   2. one gradient reduction (`jaxpar.data`): each weight's gradient summed over the
-     batch axes (dp, ep, cp) its spec does not split; the embedding's and the head's also
+     batch axes (dp, ep, cp) its pspec does not split; the embedding's and the head's also
      over pp (only their stage's device holds a nonzero one). Under ZeRO-1 the dp part of the
      sum is a reduce-scatter instead: each dp rank gets its dp-th of the gradient
      (along one dimension its shard divides), updates that dp-th of the weight with its
@@ -34,9 +34,9 @@ Inside the one shard_map, on every device:
      balance loss joins the reported loss, the load moves the router bias.
 
 The state between steps (`TrainState`) holds the blocks in the pipeline's stage layout
-[pp, v, L/(pp v), ...] split over pp (uneven stages, `spec.layers_per_stage`: [pp, v,
+[pp, chunks, L/(pp chunks), ...] split over pp (uneven stages, `spec.layers_per_stage`: [pp, chunks,
 the largest count, ...], each stage's layers first and zeros after; the zeros get a zero
-gradient, so AdamW leaves them zero, and `canonical` drops them), the rest as their specs say; `canonical` turns it
+gradient, so AdamW leaves them zero, and `canonical` drops them), the rest as their pspecs say; `canonical` turns it
 into reference.init_params's structure (what checkpoints hold, whatever the mesh).
 """
 
@@ -117,14 +117,14 @@ class Trainer:
     local: runtime.Local = _built()          # the pipeline program and its checked Request
     layers_per_stage: tuple | None = _built()    # the stage layout's padding (None: even stages)
     token_sharding: NamedSharding = _built()  # the tokens as `put`, `lower`, the loop place them
-    batch_spec: P = _built()                 # the inputs' and targets' pspec inside the shard_map
+    batch_pspec: P = _built()                 # the inputs' and targets' pspec inside the shard_map
     tx: optax.GradientTransformation = _built()
-    param_specs: dict = _built()             # {"blocks", "first", "last"}: the weights' pspecs
+    param_pspecs: dict = _built()             # {"blocks", "first", "last"}: the weights' pspecs
     shapes: dict = _built()                  # the weights' shapes in the state's layout
     zero_dims: dict = _built()               # per weight: the dimension ZeRO splits over dp (-1: whole)
-    state_param_specs: dict = _built()       # the optimizer state's pspecs (ZeRO: split over dp)
-    stored_param_specs: dict = _built()      # the weights' as stored (ZeRO-3: the state's)
-    state_specs: TrainState = _built()
+    state_param_pspecs: dict = _built()       # the optimizer state's pspecs (ZeRO: split over dp)
+    stored_param_pspecs: dict = _built()      # the weights' as stored (ZeRO-3: the state's)
+    state_pspecs: TrainState = _built()
     shardings: TrainState = _built()
     _step: Any = _built()                    # the jitted step
     _programs: dict = _built()               # its compiled program and the state's jitted layouts
@@ -143,7 +143,7 @@ class Trainer:
         self.local = recipe.program(self.layers, self.spec, self.mesh, shapes)
         self.schedule = self.layers.schedule
         self.layers_per_stage = self.local.request.layers_per_stage if self.local.request.uneven else None
-        token_pspec, self.batch_spec = batch_pspecs(self.spec)
+        token_pspec, self.batch_pspec = batch_pspecs(self.spec)
         self.token_sharding = NamedSharding(self.mesh, token_pspec)
         self.tx = self.optim.transform()
         self._lay_out_state(shapes)
@@ -166,16 +166,16 @@ class Trainer:
         # of one would stay in the program): their pspecs name pp, which splits nothing
         unit = _with_unit if self.spec.pp == 1 else (lambda s: s)
         is_p = lambda x: isinstance(x, P)
-        self.param_specs = {"blocks": jax.tree.map(runtime.staged, req.param_specs),
-                            "first": jax.tree.map(unit, req.first_specs, is_leaf=is_p),
-                            "last": jax.tree.map(unit, req.last_specs, is_leaf=is_p)}
+        self.param_pspecs = {"blocks": jax.tree.map(runtime.staged, req.param_pspecs),
+                            "first": jax.tree.map(unit, req.first_pspecs, is_leaf=is_p),
+                            "last": jax.tree.map(unit, req.last_pspecs, is_leaf=is_p)}
         self.shapes = jax.eval_shape(self._staged, shapes)
         self._plan_zero()
         opt_shapes = jax.eval_shape(self.tx.init, self.shapes)
-        opt_specs = optax.tree_map_params(self.tx, lambda _, s: s, opt_shapes, self.state_param_specs,
+        opt_pspecs = optax.tree_map_params(self.tx, lambda _, s: s, opt_shapes, self.state_param_pspecs,
                                           transform_non_params=lambda _: P())
-        self.state_specs = TrainState(step=P(), params=self.stored_param_specs, opt=opt_specs)
-        self.shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_specs, is_leaf=is_p)
+        self.state_pspecs = TrainState(step=P(), params=self.stored_param_pspecs, opt=opt_pspecs)
+        self.shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_pspecs, is_leaf=is_p)
 
     # ---- layout ---------------------------------------------------------------------------
 
@@ -187,19 +187,19 @@ class Trainer:
         whole; `data.zero.plan`, never the blocks' pp dimension), the state's specs, and
         the weights' as stored: under ZeRO-3 the optimizer state's (split over dp too, along
         the dimension one layer's function gathers: `model.zero3_dims`, 3 more in the
-        blocks' layout [pp, v, Lc, ...]); else the weights' own."""
+        blocks' layout [pp, chunks, Lc, ...]); else the weights' own."""
         if self.spec.zero == 3:
             dims = self.layers.zero_dims
             self.zero_dims = {**dims, "blocks": {k: d + 3 if d >= 0 else d for k, d in dims["blocks"].items()}}
         elif self.spec.zero:
-            self.zero_dims = {k: zero.plan(self.shapes[k], self.param_specs[k], sizes=self.mesh.shape,
+            self.zero_dims = {k: zero.plan(self.shapes[k], self.param_pspecs[k], sizes=self.mesh.shape,
                                            skip=1 if k == "blocks" else 0) for k in self.shapes}
             if "router_bias" in self.zero_dims["blocks"]:    # moved by update_bias, not AdamW: nothing to shard
                 self.zero_dims["blocks"]["router_bias"] = -1
         else:
             self.zero_dims = jax.tree.map(lambda _: -1, self.shapes)
-        self.state_param_specs = zero.state_pspecs(self.param_specs, self.zero_dims, self.shapes)
-        self.stored_param_specs = self.state_param_specs if self.spec.zero == 3 else self.param_specs
+        self.state_param_pspecs = zero.state_pspecs(self.param_pspecs, self.zero_dims, self.shapes)
+        self.stored_param_pspecs = self.state_param_pspecs if self.spec.zero == 3 else self.param_pspecs
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -217,10 +217,10 @@ class Trainer:
                                                                                  lr=lr)
 
         per_pp = P(PP) if self.spec.pp == 1 else P(None)      # the loss and norm: one value (per pp rank)
-        metric_specs = dict(loss=per_pp, norm=per_pp, lr=P())
-        sharded = jax.shard_map(per_device, mesh=self.mesh, in_specs=(self.state_specs, self.batch_spec,
-                                                                      self.batch_spec),
-                                out_specs=(self.state_specs, metric_specs))
+        metric_pspecs = dict(loss=per_pp, norm=per_pp, lr=P())
+        sharded = jax.shard_map(per_device, mesh=self.mesh, in_specs=(self.state_pspecs, self.batch_pspec,
+                                                                      self.batch_pspec),
+                                out_specs=(self.state_pspecs, metric_pspecs))
         spec = self.spec
 
         def step(state, tokens):
@@ -239,7 +239,7 @@ class Trainer:
     def _loss_and_gradients(self, program, params, inputs, targets):
         """This device's part of the step's math: (the loss summed over the batch axes and pp,
         the gradients {"blocks", "first", "last"} before data parallelism's reduction, in
-        the weights' dtype, the MoE layers' loads [v, Lc, E] or None). inputs / targets
+        the weights' dtype, the MoE layers' loads [chunks, Lc, E] or None). inputs / targets
         [B', T'] are this device's tokens; `program` the pipeline (or one-stage) program."""
         cfg, tp, batch_axes = self.cfg, self.spec.tp, self.local.request.batch_axes
         balancing = balance.enabled(cfg)
@@ -258,7 +258,7 @@ class Trainer:
         if balancing:
             g_blocks = dict(g_blocks)
             stats_axes = batch_axes + ((TP,) if tp > 1 else ())
-            load, aux = balance.totals(g_blocks.pop(balance.STATS), stats_axes)   # [v, Lc, E], [v, Lc]
+            load, aux = balance.totals(g_blocks.pop(balance.STATS), stats_axes)   # [chunks, Lc, E], [chunks, Lc]
             # this pp rank's layers' balance loss, folded into the loss's own sum over the
             # batch axes (each of the `shards` adds its share) and pp
             shards = math.prod(self.mesh.shape[a] for a in batch_axes)
@@ -270,9 +270,9 @@ class Trainer:
 
     def _reduce(self, part: str, grads, sharded_state: bool):
         """One part's ("blocks", "first", "last") gradients summed over the batch axes its
-        stored specs do not split, the first and last stages' also over pp; over dp a
+        stored pspecs do not split, the first and last stages' also over pp; over dp a
         reduce-scatter when the optimizer state is sharded (ZeRO-1, -2)."""
-        pspecs, extra = self.stored_param_specs[part], () if part == "blocks" else self._pp_axes
+        pspecs, extra = self.stored_param_pspecs[part], () if part == "blocks" else self._pp_axes
         batch_axes = self.local.request.batch_axes
         if sharded_state:
             return zero.reduce_scatter_gradients(grads, pspecs, self.zero_dims[part], batch_axes=batch_axes,
@@ -283,7 +283,7 @@ class Trainer:
         """Data parallelism's one reduction, the global norm, clipping and AdamW: (the new
         weights, the new optimizer state, the norm). ZeRO-1 and -2 reduce-scatter over dp,
         update a dp-th and all-gather it; under ZeRO-3 the layers' backward already
-        reduce-scattered (a weight's stored spec names dp) and the dp-th stays as it is."""
+        reduce-scattered (a weight's stored pspec names dp) and the dp-th stays as it is."""
         zero_dims = self.zero_dims
         sharded_state = bool(self.spec.zero) and self.spec.zero != 3     # ZeRO-1 and -2: the same program
         grads = {k: self._reduce(k, g, sharded_state) for k, g in grads.items()}

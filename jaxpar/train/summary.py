@@ -50,10 +50,10 @@ def _weights(trainer, *, leave_out: tuple[str, ...] = ()) -> list:
     kept = lambda kind, tree: {k: v for k, v in tree.items() if kind != "blocks" or k not in leave_out}
     if trainer.spec.zero == 3:    # the weights as stored, their dp-th: what the reduction sums
         return [w for kind in ("blocks", "first", "last")
-                for w in weights(kept(kind, trainer.shapes[kind]), kept(kind, trainer.stored_param_specs[kind]),
+                for w in weights(kept(kind, trainer.shapes[kind]), kept(kind, trainer.stored_param_pspecs[kind]),
                                  sizes=trainer.mesh.shape, extra=() if kind == "blocks" else pp)]
     return [w for kind in ("blocks", "first", "last")
-            for w in weights(kept(kind, trainer.shapes[kind]), kept(kind, trainer.param_specs[kind]),
+            for w in weights(kept(kind, trainer.shapes[kind]), kept(kind, trainer.param_pspecs[kind]),
                              sizes=trainer.mesh.shape, extra=() if kind == "blocks" else pp,
                              zero_dims=kept(kind, trainer.zero_dims[kind]))]
 
@@ -120,7 +120,7 @@ def _zero3_weights(trainer, kind: str) -> list:
     fn = {"blocks": req.stage_fn.layer_fn, "first": req.first_fn, "last": req.loss_fn}[kind]
     again = data_zero.regathered(fn)
     names = sorted(trainer.shapes[kind])        # a dict of leaves, in jax.tree order
-    found = weights(trainer.shapes[kind], trainer.param_specs[kind], sizes=trainer.mesh.shape,
+    found = weights(trainer.shapes[kind], trainer.param_pspecs[kind], sizes=trainer.mesh.shape,
                     zero_dims=trainer.zero_dims[kind])
     return [dataclasses.replace(w, regather=name in again) for name, w in zip(names, found, strict=True)]
 
@@ -142,7 +142,7 @@ def expected_zero3_by_rank(trainer) -> dict[int, dict[str, float]]:
                the embedding gathered in each first-stage F, reduce-scattered in each
                first-stage backward; the head gathered, gathered again and
                reduce-scattered in each F with the loss.
-    recompute=True adds one gather of every layer per B and per W (per microbatch at pp =
+    recompute="full" adds one gather of every layer per B and per W (per microbatch at pp =
     1): each runs the stage's forward again before its pullback."""
     spec, plan = trainer.spec, trainer.local.plan
     kinds = {k: _zero3_weights(trainer, k) for k in ("blocks", "first", "last")}
@@ -155,9 +155,9 @@ def expected_zero3_by_rank(trainer) -> dict[int, dict[str, float]]:
     def total(*parts):
         return {k: float(sum(p[k] for p in parts)) for k in ("reduce-scatter", "all-gather")}
 
-    # recompute=True: B runs the stage's forward again first, gathering every layer's
+    # recompute="full": B runs the stage's forward again first, gathering every layer's
     # weights once more (its pullback then gathers again those it reads itself)
-    rerun = 1 if spec.recompute is True else 0
+    rerun = 1 if spec.recompute == "full" else 0
     if spec.pp == 1:
         m = plan.schedule.microbatches
         return {0: total(*(bytes_of(k, 1, m, m) for k in kinds), bytes_of("blocks", rerun * m, 0, 0))}

@@ -85,7 +85,7 @@ def test_stored_residuals_exclude_the_parameters(kind):
 def stored_bytes(rows: int, width: int = WIDTH) -> int:
     """Bytes a 2-layer MLP Stack's F stores for a microbatch of `rows` (Stack.learn)."""
     params = jax.tree.map(lambda a: a.reshape(1, 2, *a.shape[1:]), stage.mlp_params(2, width))   # [chunks, Lc, ...]
-    learned = passes.Stack(stage.mlp_layer, depth=2, recompute=False).learn(params, jnp.zeros((rows, width)))
+    learned = passes.Stack(stage.mlp_layer, depth=2, recompute="none").learn(params, jnp.zeros((rows, width)))
     return sum(a.size * a.dtype.itemsize for a in learned.stored)
 
 

@@ -4,7 +4,7 @@ the schedule it executes.
 * every schedule of schedule.KNOWN, p in {2, 4}, m in {1, 4, 8} (and 16 for interleaved):
   loss, input gradient and every parameter gradient equal stage.unsharded's (float32;
   float64 for one case per schedule), and the combinations schedule.make rejects raise;
-* dp x pp meshes (gradients all-reduced over dp), recompute=True, reference transformer
+* dp x pp meshes (gradients all-reduced over dp), recompute="full", reference transformer
   blocks as stages;
 * bubbles: NaN in every unused slot changes nothing (runtime.run and the GPipe baseline);
 * collectives: the compiled collective-permutes against oracles written from the
@@ -77,7 +77,7 @@ def by_hand_permutes(name: str, p: int, m: int) -> int | None:
 
 
 @functools.cache
-def _compare(name, p, m, dp=1, recompute=False, layers="mlp", n_layers=None, dtype=jnp.float32):
+def _compare(name, p, m, dp=1, recompute="none", layers="mlp", n_layers=None, dtype=jnp.float32):
     return verify.compare(name, p, m, dp=dp, recompute=recompute,
                           model=verify.ModelChoice(layers=layers, n_layers=n_layers, dtype=dtype))
 
@@ -222,7 +222,7 @@ def test_dp_x_pp_all_reduces_gradients_over_dp(name, p, m):
 @pytest.mark.parametrize("name,p,m", cases([("1f1b", 4, 4), ("zb-h2", 2, 3)]))
 def test_recompute_gives_the_same_results(name, p, m):
     """B (and W, split) run the stage's forward again from its stored input."""
-    c = _compare(name, p, m, recompute=True)
+    c = _compare(name, p, m, recompute="full")
     assert_matches(c)
     assert c.measured == permutes(name, p, m)  # recompute moves nothing more
 
@@ -401,12 +401,14 @@ def test_mesh_axes_and_specs_are_checked(no_compile):
     mm = pp_mesh(2, tp=2)
     run = lambda **kw: runtime.run(s, fn, params, batch, mesh=mm, **kw)
     cases = [
-        (dict(param_specs={"w": P(None, "cp"), "b": P()}), r"param_specs: the pspec .* names axis 'cp'; the mesh has"),
-        (dict(param_specs={"w": P("pp"), "b": P()}), r"names axis 'pp'.*pp is the pipeline's own"),
-        (dict(param_specs={"w": P()}), r"param_specs has the structure .*: give one PartitionSpec per array"),
-        (dict(param_specs={"w": P(), "b": P(None, "tp")}), r"names 2 dimensions, the array has 1 after its layer axis"),
-        (dict(param_specs={"w": "tp", "b": P()}), r"the pspec 'tp' is a str, not a jax.sharding.PartitionSpec"),
-        (dict(batch_spec=P("tp", None, None)), r"batch_spec for the inputs: the pspec .* names 3 dimensions"),
+        (dict(param_pspecs={"w": P(None, "cp"), "b": P()}),
+         r"param_pspecs: the pspec .* names axis 'cp'; the mesh has"),
+        (dict(param_pspecs={"w": P("pp"), "b": P()}), r"names axis 'pp'.*pp is the pipeline's own"),
+        (dict(param_pspecs={"w": P()}), r"param_pspecs has the structure .*: give one PartitionSpec per array"),
+        (dict(param_pspecs={"w": P(), "b": P(None, "tp")}),
+         r"names 2 dimensions, the array has 1 after its layer axis"),
+        (dict(param_pspecs={"w": "tp", "b": P()}), r"the pspec 'tp' is a str, not a jax.sharding.PartitionSpec"),
+        (dict(batch_pspec=P("tp", None, None)), r"batch_pspec for the inputs: the pspec .* names 3 dimensions"),
         (dict(first_params={"e": jnp.ones(3)}), r"first_params given without first_fn"),
         (dict(first_fn=lambda p, x: x, first_params={"e": jnp.ones(3)}, input_grads="no"),
          r"input_grads='no' is a str: give True or False"),
@@ -450,7 +452,8 @@ def test_more_bad_input_is_refused_before_compiling(no_compile):
         (dict(loss_fn="mse"), r"loss_fn='mse' is not callable"),
         (dict(fn=None), r"stage_fn=None is not callable"),
         (dict(s="1f1b"), r"schedule is a str, not a Schedule.*schedule.make"),
-        (dict(recompute="yes"), r"recompute='yes' is a str: give True or False"),
+        (dict(recompute="yes"), r"recompute='yes': use one of 'none', 'full'"),
+        (dict(recompute=True), r"recompute=True: use one of 'none', 'full'"),   # a retired word, on purpose
         (dict(input_grads="yes"), r"input_grads='yes' is a str: give True or False"),
         (dict(bubble_fill="nan"), r"bubble_fill='nan': give a number"),
     ]

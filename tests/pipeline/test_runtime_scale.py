@@ -90,7 +90,7 @@ def test_run_caches_the_built_step(monkeypatch):
     again = runtime.run(s, stage.mlp_stage, params, batch, mesh=pp_mesh(2))
     assert len(builds) == 1
     assert_close(jax.tree.leaves(first), jax.tree.leaves(again))
-    runtime.run(s, stage.mlp_stage, params, batch, mesh=pp_mesh(2), recompute=True)   # another option
+    runtime.run(s, stage.mlp_stage, params, batch, mesh=pp_mesh(2), recompute="full")   # another option
     runtime.run(s, stage.mlp_stage, params, stage.mlp_batch(8, WIDTH), mesh=pp_mesh(2))  # another shape
     assert len(builds) == 3
 
@@ -105,12 +105,12 @@ def test_a_request_is_checked_once_and_keys_the_cache():
     one = req()
     assert one == req(params=jax.tree.map(lambda a: a * 2, params)) and hash(one) == hash(req())
     assert req(bubble_fill=float("nan")) == req(bubble_fill=float("nan")) != one
-    assert len({one, req(recompute=True), req(input_grads=False), req(loss_fn=lambda y, t: jnp.mean(y - t))}) == 4
+    assert len({one, req(recompute="full"), req(input_grads=False), req(loss_fn=lambda y, t: jnp.mean(y - t))}) == 4
     assert jax.tree.leaves(one.params) == [jax.ShapeDtypeStruct((2, WIDTH), jnp.float32),
                                            jax.ShapeDtypeStruct((2, WIDTH, WIDTH), jnp.float32)]
     assert (one.n_layers, one.depth, one.batch_axes, one.input_grads, one.scale) == (2, 1, (), True, 2)
     with pytest.raises(ConfigError, match="a Request carries its arguments and options: pass it alone"):
-        runtime.pipeline(one, recompute=True)
+        runtime.pipeline(one, recompute="full")
 
 
 def test_guarded_permutes_are_counted_exactly():

@@ -32,7 +32,7 @@ from jaxpar.testing import assert_close, compiled_collectives
 WIDTH = 32
 
 
-def _run(name, p, m, counts, *, chunks=None, layers="mlp", dp=1, recompute=False, dtype=jnp.float32):
+def _run(name, p, m, counts, *, chunks=None, layers="mlp", dp=1, recompute="none", dtype=jnp.float32):
     """(loss, Grads, the compiled collectives, the formula's, the reference's loss and Grads)."""
     s = schedule.make(name, stages=p, microbatches=m, chunks=chunks)
     stage_fn, params, batch = verify.model(layers, sum(counts), 2 * m * dp, dtype)
@@ -47,12 +47,12 @@ def _run(name, p, m, counts, *, chunks=None, layers="mlp", dp=1, recompute=False
 
 
 CASES = [  # (schedule, p, m, layers per model stage, chunks, stage layers, recompute)
-    ("1f1b", 4, 4, (1, 3, 2, 1), None, "mlp", False),
-    ("interleaved", 2, 4, (1, 2, 3, 1), 2, "mlp", False),      # chunk 0 of device 0 light, chunk 1 of device 0 heavy
-    ("zb-h1", 4, 4, (2, 1, 1, 3), None, "mlp", False),         # B and W split: W skips the padding too
-    ("dualpipe-v", 2, 4, (1, 3, 2, 1), None, "mlp", False),    # V placement: device 0 holds stages 0 and 3
-    ("gpipe", 2, 2, (3, 1), None, "mlp", True),                # recompute: B runs the padded forward again
-    ("1f1b", 2, 2, (1, 3), None, "blocks", False),             # reference transformer blocks
+    ("1f1b", 4, 4, (1, 3, 2, 1), None, "mlp", "none"),
+    ("interleaved", 2, 4, (1, 2, 3, 1), 2, "mlp", "none"),      # chunk 0 of device 0 light, chunk 1 of device 0 heavy
+    ("zb-h1", 4, 4, (2, 1, 1, 3), None, "mlp", "none"),         # B and W split: W skips the padding too
+    ("dualpipe-v", 2, 4, (1, 3, 2, 1), None, "mlp", "none"),    # V placement: device 0 holds stages 0 and 3
+    ("gpipe", 2, 2, (3, 1), None, "mlp", "full"),                # recompute: B runs the padded forward again
+    ("1f1b", 2, 2, (1, 3), None, "blocks", "none"),             # reference transformer blocks
 ]
 
 
@@ -112,7 +112,7 @@ def _stored_shapes(counts, depth):
 
     def per_device(params, x):
         params = jax.tree.map(lambda a: a[0], params)
-        found.append(passes.Stack(stage.mlp_layer, depth, False, counts).learn(params, x[0]))
+        found.append(passes.Stack(stage.mlp_layer, depth, "none", counts).learn(params, x[0]))
         return x
     params = jax.tree.map(lambda a: a.reshape(2, 1, depth, *a.shape[1:]), stage.mlp_params(2 * depth, WIDTH))
     x = jnp.zeros((2, 4, WIDTH))

@@ -6,7 +6,7 @@ KV-head count down to one (MQA), head_dim, d_ff, vocab, GeLU or SwiGLU, RoPE on 
 dense or an MoE of 4-8 experts with top-1 or top-2, a softmax or sigmoid router, with or
 without the balance loss and DeepSeek-V3's selection bias), a `ParallelSpec` over at most 8
 devices (dp, pp, tp, cp, ep of any size whose product is <= 8, odd sizes included; every
-registered schedule with microbatches and chunks it accepts; SP, recompute (none, all, or
+registered schedule with microbatches and chunks it accepts; SP, recompute (none, full, or
 matmuls and collectives kept), ZeRO 0-3
 where the spec accepts it, ring or Ulysses, both token layouts, even or uneven layers per
 stage) and a batch and a sequence length, built to satisfy the
@@ -92,7 +92,7 @@ def configurations(draw, family: str = "any") -> Drawn:
     attention = draw(_options(family, ["ring", "ulysses"])) if cp > 1 else "ring"
     layout = draw(_options(family, ["zigzag", "contiguous"])) if cp > 1 else "contiguous"
     sp = draw(_options(family, [True, False])) if tp > 1 else False
-    recompute = draw(_options(family, ["dots", False, True]))
+    recompute = draw(_options(family, ["dots", "none", "full"]))
     zero = draw(_options(family, [3, 1, 0, 2]))
     spec = ParallelSpec(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, schedule=name, chunks=chunks, microbatches=m,
                         sequence_parallel=sp, recompute=recompute, zero=zero, attention=attention, layout=layout)

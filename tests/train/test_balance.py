@@ -32,7 +32,7 @@ STEPS, BATCH, SEQ = 3, 8, 16
 MESHES = {
     "dp2 pp2 tp2 1f1b": (ParallelSpec(dp=2, pp=2, tp=2, microbatches=2), BOTH),
     "pp2 cp2 tp2 sp zigzag recompute": (ParallelSpec(pp=2, cp=2, tp=2, microbatches=2, sequence_parallel=True,
-                                                     layout="zigzag", recompute=True), BOTH),
+                                                     layout="zigzag", recompute="full"), BOTH),
     "dp2 cp2 ep2 ulysses zero1": (ParallelSpec(dp=2, cp=2, ep=2, attention="ulysses", zero=1), BOTH),
     "pp2 interleaved tp2": (ParallelSpec(pp=2, tp=2, schedule="interleaved", microbatches=4), AUX),
     "pp2 ep2 tp2 sp zb-h1": (ParallelSpec(pp=2, ep=2, tp=2, sequence_parallel=True, schedule="zb-h1",

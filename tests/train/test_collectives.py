@@ -15,7 +15,7 @@ CASES = {
     "dp2 pp2 tp2 1f1b": ParallelSpec(dp=2, pp=2, tp=2, microbatches=2),
     "pp2 tp4 interleaved (KV heads replicated)": ParallelSpec(pp=2, tp=4, schedule="interleaved", microbatches=2),
     "dp2 pp2 tp2 SP zb-h1 recompute": ParallelSpec(dp=2, pp=2, tp=2, microbatches=2, sequence_parallel=True,
-                                                   schedule="zb-h1", recompute=True),
+                                                   schedule="zb-h1", recompute="full"),
     "dp4 tp2 SP ZeRO-1": ParallelSpec(dp=4, tp=2, sequence_parallel=True, zero=1),
 }
 

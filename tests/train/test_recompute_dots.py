@@ -53,7 +53,7 @@ def test_the_policy_keeps_projections_and_collectives_not_attention_or_elementwi
 @pytest.fixture(scope="module")
 def trainers():
     return {r: Trainer(verify.DENSE, ParallelSpec(**SPEC, recompute=r), verify.OPTIM, batch_size=8, seq_len=16)
-            for r in (False, "dots")}
+            for r in ("none", "dots")}
 
 
 def test_dots_runs_the_same_collectives_and_holds_less(trainers):
@@ -62,15 +62,15 @@ def test_dots_runs_the_same_collectives_and_holds_less(trainers):
         c = summary.collectives(trainer, trainer.compiled)
         assert summary.matches(c), r
         counts[r] = (c["sends"], c["reductions"], [c["stages"][d] for d in range(trainer.spec.pp)])
-    assert counts["dots"] == counts[False]           # B sends nothing F's collectives sent
+    assert counts["dots"] == counts["none"]           # B sends nothing F's collectives sent
     temp = {r: t.compiled.memory_analysis().temp_size_in_bytes for r, t in trainers.items()}
     # the residual slots hold the projections' outputs, not the norms', scores', softmax's
     # and activation's as well: 0.35 here (d_model 16, 16 tokens)
-    assert temp["dots"] < 0.6 * temp[False], temp
+    assert temp["dots"] < 0.6 * temp["none"], temp
 
 
 def test_dots_trains_like_the_unsharded_model_in_float64():
-    # float32 at 1e-5: the drawn configurations (recompute drawn among False, True, "dots")
+    # float32 at 1e-5: the drawn configurations (recompute drawn among "none", "full", "dots")
     with jax.enable_x64(True):
         r = verify.parity(ParallelSpec(**SPEC, recompute="dots"), steps=3, dtype=jnp.float64)
     assert max(r.errors.values()) <= 1e-12, r.errors

@@ -90,7 +90,7 @@ def test_the_nnx_model_holds_the_reference_params_and_their_partitioning():
     got = {k: v.get_value() for k, v in pspecs.items() if k != "blocks"} | {
         "blocks": {k: v.get_value() for k, v in pspecs["blocks"].items()}}
     assert got == expected
-    assert got == model.partition_specs(cfg, 2)          # the NNX view's metadata is the trainer's layout
+    assert got == model.weight_pspecs(cfg, 2)          # the NNX view's metadata is the trainer's layout
 
 
 def test_the_trainer_reads_its_specs_from_the_models_partition_names():
@@ -105,7 +105,7 @@ def test_the_trainer_reads_its_specs_from_the_models_partition_names():
     layer, first, _ = model.stage_pspecs(cfg, ParallelSpec(pp=2, ep=2))
     assert layer["w_down"] == P("ep", None, None) and layer["wq"] == P(None, None, None)
     assert first == {"embed": P(None, None)}
-    pspecs = model.partition_specs(cfg, 2)
+    pspecs = model.weight_pspecs(cfg, 2)
     assert model.join(model.split(pspecs)) == pspecs
 
 
@@ -135,7 +135,7 @@ def test_every_violated_constraint_is_listed():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(dp=0), "dp=0"), (dict(tp=2.0), "tp=2.0"), (dict(zero=4), "zero=4"), (dict(schedule="nope"), "schedule"),
     (dict(attention="flash"), "attention"), (dict(layout="spiral"), "layout"), (dict(recompute=1), "recompute"),
-    (dict(recompute="full"), "recompute='full'"), (dict(recompute="DOTS"), "recompute"),
+    (dict(recompute="all"), "recompute='all'"), (dict(recompute="DOTS"), "recompute"),
     (dict(microbatches=True), "microbatches"), (dict(dp=1 << 20), "dp="),
 ])
 def test_bad_specs_are_refused(kwargs, match):
@@ -256,3 +256,11 @@ def test_the_learning_rate_is_float64_under_x64(x64, cfg):
     cosine = 0.5 * (1 + np.cos(np.pi * np.minimum(counts - cfg.warmup, decay) / decay))
     decayed = cfg.lr * ((1 - cfg.final_ratio) * cosine + cfg.final_ratio)
     np.testing.assert_allclose(ours, np.where(counts < cfg.warmup, warm, decayed), rtol=1e-14, atol=1e-18)
+
+
+def test_recompute_speaks_the_glossary_and_reads_the_bools_it_replaced():
+    """"none", "full", "dots" (the words of the memory model and the command line); True and
+    False, the words before them, read as "full" and "none"."""
+    assert ParallelSpec(recompute=True) == ParallelSpec(recompute="full")          # a retired word, on purpose
+    assert ParallelSpec(recompute=False).recompute == ParallelSpec().recompute == "none"   # a retired word, on purpose
+    assert ParallelSpec(recompute="dots", pp=2).describe() == "pp2 1f1b recompute dots"

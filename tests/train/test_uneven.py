@@ -33,9 +33,9 @@ SIX = dataclasses.replace(verify.DENSE, n_layers=6)
     (ParallelSpec(dp=2, pp=2, tp=2, microbatches=2, zero=1, layers_per_stage=(1, 3)), verify.DENSE),
     # ZeRO-3 and recompute with collectives inside the stages: a one-layer stage among
     # deeper ones is scanned like them (padded), so the count keeps its output's collectives
-    (ParallelSpec(dp=2, pp=2, tp=2, microbatches=2, zero=3, recompute=True, layers_per_stage=(2, 1)),
+    (ParallelSpec(dp=2, pp=2, tp=2, microbatches=2, zero=3, recompute="full", layers_per_stage=(2, 1)),
      dataclasses.replace(verify.DENSE, n_layers=3)),
-    (ParallelSpec(pp=2, cp=2, tp=2, microbatches=2, recompute=True, layout="zigzag", layers_per_stage=(1, 2)),
+    (ParallelSpec(pp=2, cp=2, tp=2, microbatches=2, recompute="full", layout="zigzag", layers_per_stage=(1, 2)),
      dataclasses.replace(verify.DENSE, n_layers=3)),
 ], ids=["pp4-1221", "dp2-pp2-tp2-zero1-13", "dp2-pp2-tp2-zero3-recompute-21", "pp2-cp2-tp2-recompute-12"])
 def test_uneven_stages_train_like_the_unsharded_model(spec, cfg):

@@ -31,16 +31,16 @@ MESHES = {
     "dp2 pp2 ep2 MoE, balance loss and bias": (
         ParallelSpec(dp=2, pp=2, ep=2, microbatches=2, zero=3),
         dataclasses.replace(verify.MOE, router="sigmoid", aux_loss=0.01, bias_rate=1e-3)),
-    # recompute=True: B reruns each stage's forward, gathering every layer's weights once more
-    "dp4 tp2 m2 recompute (one stage)": (ParallelSpec(dp=4, tp=2, microbatches=2, zero=3, recompute=True),
+    # recompute="full": B reruns each stage's forward, gathering every layer's weights once more
+    "dp4 tp2 m2 recompute (one stage)": (ParallelSpec(dp=4, tp=2, microbatches=2, zero=3, recompute="full"),
                                          verify.DENSE),
-    "dp2 pp2 tp2 1f1b recompute": (ParallelSpec(dp=2, pp=2, tp=2, microbatches=2, zero=3, recompute=True),
+    "dp2 pp2 tp2 1f1b recompute": (ParallelSpec(dp=2, pp=2, tp=2, microbatches=2, zero=3, recompute="full"),
                                    verify.DENSE),
     # a split backward: the layers' reduce-scatters in W, the embedding's in B, and W's
     # pullback gathers again what it reads (and reruns the forward under recompute)
     "dp2 pp2 tp2 zb-h2": (ParallelSpec(dp=2, pp=2, tp=2, microbatches=4, zero=3, schedule="zb-h2"), verify.DENSE),
     "dp2 pp2 cp2 zb-h1 recompute": (ParallelSpec(dp=2, pp=2, cp=2, microbatches=2, zero=3, schedule="zb-h1",
-                                                 recompute=True), verify.DENSE),
+                                                 recompute="full"), verify.DENSE),
 }
 
 

@@ -83,8 +83,9 @@ def main():
     cp = 2 if len(jax.devices()) >= 2 else 1
     print(f"\n== demo 5: ring attention at cp={cp}, every block through the Pallas kernel ==")
     for platform, dtype in [("gpu", jnp.bfloat16), ("gpu", jnp.float32), ("cpu", jnp.bfloat16)]:
-        chosen = kernel.choose_block("auto", dtype=dtype, tq=1024, tk=1024, head_dim=128, platform=platform)
-        print(f"  {platform} {jnp.dtype(dtype).name:<8} auto -> {chosen}")
+        chosen = [kernel.choose_block(name, dtype=dtype, tq=1024, tk=1024, head_dim=128, platform=platform)
+                  for name in ("auto", "pallas")]
+        print(f"  {platform} {jnp.dtype(dtype).name:<8} auto -> {chosen[0]}, pallas -> {chosen[1]}")
     q, k, v, _ = draw(1, 128, 4, 2, 16, jnp.float32)
     mesh = mesh_lib.make_mesh(cp=cp, devices=jax.devices()[:cp])
     with precision_policy():

@@ -87,7 +87,7 @@ EXPECTED = {
                                "ConfigError: attention_kernel='cudnn' cannot run here: dtype float32",
                                "dV: |xla - reference| / |reference| = 0.0e+00", "the flash model's statistics",
                                "bfloat16 layers on cpu: xla attention (T x T scores; a ring's blocks key chunk by key chunk)",
-                               "gpu bfloat16 auto -> pallas", "zigzag, float32: max |ring - reference| = "]
+                               "gpu bfloat16 auto -> xla, pallas -> pallas", "zigzag, float32: max |ring - reference| = "]
 }
 
 

@@ -73,9 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "state, loss and softmax statistics in float32")
     parser.add_argument("--attention", default="ring", help="ring or ulysses over cp")
     parser.add_argument("--attention-kernel", default="auto",
-                        help="the attention's kernel: auto (on a GPU with --dtype bfloat16, cuDNN's flash attention "
-                             "over whole sequences and the Pallas kernel for ring blocks; XLA elsewhere), xla, cudnn "
-                             "or pallas (refused where they cannot run)")
+                        help="the attention's kernel: auto (cuDNN's flash attention over whole sequences on a GPU "
+                             "with --dtype bfloat16, XLA elsewhere), xla, cudnn, or pallas (jaxpar's kernel, also for "
+                             "ring blocks, on a GPU); refused where they cannot run")
     parser.add_argument("--layout", default="contiguous", help="contiguous or zigzag (ring over cp)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: fits the mesh)")

@@ -152,7 +152,8 @@ def _backward(q, kv, o, lse, do, axis, causal, layout, blocks, hop):
     table = zigzag.plan(cp, layout, causal)
     dt = acc_dtype(q.dtype)
     delta = jnp.sum(do.astype(dt) * o.astype(dt), axis=-1)
-    step = _dispatch(table, axis, lambda block, state, kv: _backward_step(block, q, do, lse, delta, scale, blocks, *state, kv))
+    step = _dispatch(table, axis,
+                     lambda block, state, kv: _backward_step(block, q, do, lse, delta, scale, blocks, *state, kv))
 
     def first(kv):
         zeros = (jnp.zeros(q.shape, dt), jnp.zeros(kv.shape, dt))
@@ -244,8 +245,8 @@ def ring_attention_shard(q, k, v, *, axis=CP, causal: bool = True, layout: str =
     reference for the memory-efficient backward). hop: how K/V move round the ring,
     "ppermute", or "all_to_all" inside a pipeline stage (collectives.ring_shift says why).
     kernel: what computes each block, "xla" (the blockwise ops, keys `chunk` at a time),
-    "pallas" (the fused kernel, kernels.flash) or "auto" (Pallas on a GPU for 16-bit
-    inputs it fits: kernels.attention.choose_block).
+    "pallas" (the fused kernel, kernels.flash) or "auto" (kernels.attention.choose_block:
+    the XLA blocks until the kernel's GPU tests have passed on a GPU, PALLAS_AUTO).
     Checked here (ConfigError); `attend_ring` is the same without the checks.
     """
     chunk = check_options(causal=causal, layout=layout, chunk=chunk, relayout=relayout,

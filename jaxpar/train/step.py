@@ -105,8 +105,8 @@ class Trainer:
     # Read back resolved: None when it is dtype (no cast at all)
     compute_dtype: Any = None
     # the attention's kernel: "auto" (on a GPU for 16-bit layers: cuDNN's flash attention
-    # over whole sequences, the Pallas kernel for a ring's blocks), "xla", "cudnn" or
-    # "pallas" (recipe.choose_kernel); `kernel` says which runs
+    # over whole sequences; a ring's blocks as kernels.attention.choose_block says), "xla",
+    # "cudnn" or "pallas" (recipe.choose_kernel); `kernel` says which runs
     attention_kernel: str = "auto"
 
     # ---- built from the arguments above, in __post_init__'s order ----

@@ -102,12 +102,21 @@ def test_the_whole_sequence_through_the_kernel_equals_the_reference(causal):
     assert_close(got, want)
 
 
+def test_until_its_gpu_tests_pass_auto_keeps_the_xla_blocks(monkeypatch):
+    monkeypatch.setattr(kernel, "PALLAS_AUTO", False)
+    assert kernel.choose_block("auto", dtype=jnp.bfloat16, tq=1024, tk=1024, head_dim=128, platform="gpu") == "xla"
+    assert kernel.choose_block("pallas", dtype=jnp.bfloat16, tq=1024, tk=1024, head_dim=128, platform="gpu") == "pallas"
+
+
 @pytest.mark.parametrize("implementation, platform, dtype, tokens, head_dim, expected", [
     ("auto", "gpu", jnp.bfloat16, 1024, 128, "pallas"), ("auto", "gpu", jnp.float16, 32, 64, "pallas"),
     ("auto", "cpu", jnp.bfloat16, 1024, 128, "xla"), ("auto", "gpu", jnp.float32, 1024, 128, "xla"),
     ("auto", "gpu", jnp.bfloat16, 1024, 80, "xla"), ("auto", "gpu", jnp.bfloat16, 96, 64, "xla"),
     ("xla", "gpu", jnp.bfloat16, 1024, 128, "xla"), ("pallas", "cpu", jnp.float32, 64, 16, "pallas")])
-def test_the_block_kernel_is_chosen_where_it_fits(implementation, platform, dtype, tokens, head_dim, expected):
+def test_the_block_kernel_is_chosen_where_it_fits(monkeypatch, implementation, platform, dtype, tokens, head_dim,
+                                                  expected):
+    """The rule "auto" follows once PALLAS_AUTO is on (after the kernel's GPU tests pass)."""
+    monkeypatch.setattr(kernel, "PALLAS_AUTO", True)
     assert kernel.choose_block(implementation, dtype=dtype, tq=tokens, tk=tokens, head_dim=head_dim,
                                platform=platform) == expected
 
@@ -139,14 +148,14 @@ def _bf16_rule(got, want):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("N, K, H", [(8, 2, 64), (4, 4, 128)])
 def test_the_kernel_in_bfloat16_on_a_gpu_keeps_the_bfloat16_rule(causal, N, K, H):
-    """The Triton-compiled kernel in bf16, through the ring's entry point (cp = 1, "auto"
-    takes the kernel for bf16 on a GPU) and the whole-sequence one, against the float32
-    reference on the same bf16-rounded inputs."""
+    """The Triton-compiled kernel in bf16, through the ring's entry point (cp = 1) and the
+    whole-sequence one, against the float32 reference on the same bf16-rounded inputs."""
     q, k, v, do = _qkv(jax.random.key(N + H + causal), B=2, T=1024, N=N, K=K, H=H, dtype=jnp.bfloat16)
     with precision_policy():
         want = _out_and_grads(functools.partial(reference.attention, causal=causal),
                               *(a.astype(jnp.float32) for a in (q, k, v)), do)
-    ring_fn = functools.partial(ring.ring_attention, mesh=mesh_lib.make_mesh(cp=1, devices=jax.devices()[:1]), causal=causal, kernel="auto")
+    one = mesh_lib.make_mesh(cp=1, devices=jax.devices()[:1])
+    ring_fn = functools.partial(ring.ring_attention, mesh=one, causal=causal, kernel="pallas")
     _bf16_rule(jax.jit(lambda *a: _out_and_grads(ring_fn, *a))(q, k, v, do), want)
     whole = functools.partial(kernel.attention, causal=causal, implementation="pallas")
     _bf16_rule(jax.jit(lambda *a: _out_and_grads(whole, *a))(q, k, v, do), want)
@@ -158,7 +167,8 @@ def test_the_ring_with_the_kernel_holds_no_score_matrix_on_a_gpu():
     the kernel needs under 1/8 of one [B, N, T, T] bf16 score matrix."""
     B, T, N, K, H = 1, 8192, 8, 2, 64
     q, k, v, do = _qkv(jax.random.key(3), B=B, T=T, N=N, K=K, H=H, dtype=jnp.bfloat16)
-    fn = functools.partial(ring.ring_attention, mesh=mesh_lib.make_mesh(cp=1, devices=jax.devices()[:1]), kernel="pallas")
+    one = mesh_lib.make_mesh(cp=1, devices=jax.devices()[:1])
+    fn = functools.partial(ring.ring_attention, mesh=one, kernel="pallas")
     compiled = jax.jit(lambda *a: _out_and_grads(fn, *a)).lower(q, k, v, do).compile()
     temp, scores = compiled.memory_analysis().temp_size_in_bytes, B * N * T * T * 2
     assert temp < scores / 8, f"temp {temp} bytes: a T x T buffer ({scores} bytes) is being held"
@@ -181,9 +191,11 @@ def test_the_ring_through_the_kernel_moves_what_the_formula_says():
     ("auto", ParallelSpec(cp=2), "cpu", "xla"), ("auto", ParallelSpec(), "gpu", "cudnn"),
     ("auto", ParallelSpec(cp=2, attention="ulysses"), "gpu", "cudnn"), ("pallas", ParallelSpec(), "gpu", "pallas"),
     ("xla", ParallelSpec(cp=2), "gpu", "xla")])
-def test_the_trainer_takes_the_ring_blocks_kernel_at_cp_above_one(requested, spec, platform, expected):
+def test_the_trainer_takes_the_ring_blocks_kernel_at_cp_above_one(monkeypatch, requested, spec, platform, expected):
     """What the trainer's attention runs (recipe.choose_kernel): a ring's blocks at cp > 1,
-    the whole sequence at cp = 1 and under Ulysses (bf16 layers, T = 4096, heads of 128)."""
+    the whole sequence at cp = 1 and under Ulysses (bf16 layers, T = 4096, heads of 128);
+    "auto" as it will choose once PALLAS_AUTO is on."""
+    monkeypatch.setattr(kernel, "PALLAS_AUTO", True)
     cfg = reference.ModelConfig(d_model=1024, n_heads=8, n_kv_heads=4, head_dim=128)
     assert recipe.choose_kernel(requested, cfg, spec, seq_len=4096, dtype=jnp.bfloat16, platform=platform) == expected
 

@@ -20,3 +20,12 @@ def alternated(fns: Mapping[str, Callable], args: tuple, repeats: int) -> dict[s
             jax.block_until_ready(fn(*args))
             times[name].append(time.perf_counter() - start)
     return times
+
+
+def guarded(measure: Callable[[], dict], **identity) -> dict:
+    """measure()'s row, or `identity` with the error that stopped it (out of memory, a
+    kernel this machine lacks): one failing row does not stop the others."""
+    try:
+        return measure()
+    except Exception as e:  # noqa: BLE001 - the failure is the row's content
+        return {**identity, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}

@@ -29,6 +29,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from benchmarks._timing import guarded
 from jaxpar import mesh as mesh_lib
 from jaxpar import reference
 from jaxpar.context import ring
@@ -84,10 +85,8 @@ def main(argv=None) -> int:
     rows = []
     for T in (int(t) for t in args.seq.split(",")):
         for name, fn in _impls(T).items():
-            try:
-                row = measure(name, fn, T, reps=1, heads=SMOKE) if args.cpu else measure(name, fn, T)
-            except Exception as e:  # noqa: BLE001 - one implementation's failure is its row; the rest run
-                row = {"impl": name, "seq_len": T, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+            kw = dict(reps=1, heads=SMOKE) if args.cpu else {}
+            row = guarded(functools.partial(measure, name, fn, T, **kw), impl=name, seq_len=T)
             rows.append(row)
             print(json.dumps(row), flush=True)
             with open(os.path.join(args.out, "attention_gpu.json"), "w") as f:

@@ -23,6 +23,7 @@ a run cut short keeps what it measured. Where no GPU is present it says so and e
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks._timing import guarded
 from jaxpar import reference
 from jaxpar.errors import ConfigError
 from jaxpar.train import throughput
@@ -46,13 +48,13 @@ _LLAMA = dict(mlp="swiglu", rope_theta=10000.0, vocab=32000)
 # name -> (model, batch_size, seq_len, recompute); the sizes the GPU figures are quoted at
 MODELS = {
     "124M": (reference.ModelConfig(d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, head_dim=64, d_ff=3072,
-                                   mlp="gelu", rope_theta=10000.0, vocab=32000), 16, 1024, False),
+                                   mlp="gelu", rope_theta=10000.0, vocab=32000), 16, 1024, "none"),
     "1B": (reference.ModelConfig(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8, head_dim=128, d_ff=5632,
-                                 **_LLAMA), 8, 2048, False),
+                                 **_LLAMA), 8, 2048, "none"),
     "MoE": (reference.ModelConfig(d_model=1024, n_layers=8, n_heads=16, n_kv_heads=8, head_dim=64, d_ff=2816,
-                                  n_experts=8, top_k=2, **_LLAMA), 16, 1024, False),
+                                  n_experts=8, top_k=2, **_LLAMA), 16, 1024, "none"),
     "1B-T8192": (reference.ModelConfig(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8, head_dim=128,
-                                       d_ff=5632, **_LLAMA), 1, 8192, False),
+                                       d_ff=5632, **_LLAMA), 1, 8192, "none"),
     "1B-T32768-dots": (reference.ModelConfig(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8, head_dim=128,
                                              d_ff=5632, **_LLAMA), 1, 32768, "dots"),
 }
@@ -159,10 +161,8 @@ def main(argv=None) -> int:
     runs = [(n, args.kernel) for n in names] + [(n, "xla") for n in filter(None, args.compare_xla.split(","))]
     for name, kernel in runs:
         prof = os.path.join(args.out, f"trace-{name}") if name in args.profile.split(",") and kernel != "xla" else None
-        try:
-            row = measure(name, steps=steps, kernel=kernel, profile_dir=prof)
-        except Exception as e:  # noqa: BLE001 - one model's failure (OOM, say) is its row; the rest run
-            row = {"model": name, "attention": kernel, "error": f"{type(e).__name__}: {e}".splitlines()[0]}
+        row = guarded(functools.partial(measure, name, steps=steps, kernel=kernel, profile_dir=prof), model=name,
+                      attention=kernel)
         report["rows"].append(row)
         print(_row_line(row), flush=True)
         with open(os.path.join(args.out, "gpu.json"), "w") as f:

@@ -231,8 +231,7 @@ def check_shard_tokens(tokens: int, layout: str) -> None:
 
 
 def ring_attention_shard(q, k, v, *, axis=CP, causal: bool = True, layout: str = "contiguous",
-                         relayout: bool = False, chunk: int = CHUNK, custom_backward: bool = True,
-                         hop: str = "ppermute", kernel: str = "xla"):
+                         relayout: bool = False, chunk: int = CHUNK, hop: str = "ppermute", kernel: str = "xla"):
     """Attention of this shard's queries over the whole ring's keys, inside shard_map.
 
     q [B, Tc, N, H], k and v [B, Tc, K, H], Tc = T/cp: this rank's tokens, in `layout`
@@ -240,38 +239,35 @@ def ring_attention_shard(q, k, v, *, axis=CP, causal: bool = True, layout: str =
     swaps them into the layout and back (`relayout_shard`, 6 collective-permutes under
     zigzag). `axis` names the ring (None: one device, no communication). Returns
     [B, Tc, N, H]. Each block's keys are taken `chunk` at a time (blockwise.chunk_size),
-    so scores are Tc x chunk at a time, never Tc x Tc. custom_backward=False
-    differentiates the forward loop by autodiff (it keeps every block's scores: the
-    reference for the memory-efficient backward). hop: how K/V move round the ring,
+    so scores are Tc x chunk at a time, never Tc x Tc. hop: how K/V move round the ring,
     "ppermute", or "all_to_all" inside a pipeline stage (collectives.ring_shift says why).
     kernel: what computes each block, "xla" (the blockwise ops, keys `chunk` at a time),
     "pallas" (the fused kernel, kernels.flash) or "auto" (kernels.attention.choose_block:
     the XLA blocks until the kernel's GPU tests have passed on a GPU, PALLAS_AUTO).
     Checked here (ConfigError); `attend_ring` is the same without the checks.
     """
-    chunk = check_options(causal=causal, layout=layout, chunk=chunk, relayout=relayout,
-                          custom_backward=custom_backward, hop=hop)
+    chunk = check_options(causal=causal, layout=layout, chunk=chunk, relayout=relayout, hop=hop)
     _, tokens, _, _, _ = check_qkv(q, k, v, needed_by="ring_attention_shard")
     check_shard_tokens(tokens, layout)
-    return attend_ring(q, k, v, axis=axis, causal=causal, layout=layout, relayout=relayout, chunk=chunk,
-                       custom_backward=custom_backward, hop=hop, kernel=kernel)
+    return attend_ring(q, k, v, axis=axis, causal=causal, layout=layout, relayout=relayout,
+                       blocks=Blocks(chunk, block_kernel(kernel, q, tokens, layout)), hop=hop)
 
 
-def block_kernel(q, kernel: str, layout: str) -> str:
-    """The kernel of a ring's blocks for this shard's q [B, Tc, N, H]: the zigzag layout's
-    blocks are down to half a rank's tokens (kernels.attention.choose_block)."""
-    tokens = int(q.shape[1]) // (2 if layout == "zigzag" else 1)
-    return choose_block(kernel, dtype=q.dtype, tq=tokens, tk=tokens, head_dim=int(q.shape[-1]))
+def block_kernel(kernel: str, q, tokens: int, layout: str) -> str:
+    """The kernel of a ring's blocks for q's dtype and head_dim when a rank holds `tokens`:
+    the zigzag layout's blocks are down to half of them (kernels.attention.choose_block)."""
+    block = tokens // (2 if layout == "zigzag" else 1)
+    return choose_block(kernel, dtype=q.dtype, tq=block, tk=block, head_dim=int(q.shape[-1]))
 
 
-def attend_ring(q, k, v, *, axis, causal: bool, layout: str, relayout: bool, chunk: int, custom_backward: bool,
-                hop: str, kernel: str = "xla"):
+def attend_ring(q, k, v, *, axis, causal: bool, layout: str, relayout: bool, blocks: Blocks, hop: str,
+                custom_backward: bool = True):
     """ring_attention_shard on inputs its entry points have checked (check_options,
     blockwise.check_qkv, check_shard_tokens or zigzag.check_sequence), per shard:
-    q [B, Tc, N, H], k and v [B, Tc, K, H] -> [B, Tc, N, H]."""
+    q [B, Tc, N, H], k and v [B, Tc, K, H] -> [B, Tc, N, H]; `blocks` how each block
+    computes (its kernel resolved: block_kernel)."""
     move = functools.partial(relayout_shard, axis=axis, layout=layout if relayout else "contiguous")
     kv = checkpoint_name(jnp.stack([heads_major(k), heads_major(v)]), KV_NAME)   # [2, B, K, Tc, H]: one buffer travels
-    blocks = Blocks(chunk, block_kernel(q, kernel, layout))
     o = _ring_kv(move(group(q, k.shape[2])), move(kv), axis, causal, layout, blocks, custom_backward, hop)
     return ungroup(move(o, inverse=True))
 
@@ -297,28 +293,32 @@ def qkv_pspec(mesh, *, seq_axes: tuple[str, ...], n_heads: int, n_kv_heads: int,
     return P(batch, seq_axes if len(seq_axes) > 1 else seq_axes[0], heads, None)
 
 
-def ring_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "contiguous", axis: str = CP,
-                   relayout: bool = True, chunk: int = CHUNK, custom_backward: bool = True, kernel: str = "xla"):
+def ring_attention(q, k, v, *, mesh, causal: bool = True, layout: str = "contiguous", relayout: bool = True,
+                   chunk: int = CHUNK, custom_backward: bool = True, kernel: str = "xla"):
     """Ring attention on global arrays: q [B, T, N, H], k and v [B, T, K, H]; equal to
-    reference.attention(q, k, v, causal=causal). The sequence is split over `axis` of
-    `mesh` (cp), the batch over dp and the heads over tp where the mesh has them.
+    reference.attention(q, k, v, causal=causal). The sequence is split over the cp axis
+    of `mesh`, the batch over dp and the heads over tp where the mesh has them.
 
     relayout=True takes and returns the sequence in natural order; under zigzag each
     rank then swaps half its tokens into the layout before the ring and back after it
     (`relayout_shard`: 2 collective-permutes for q, 2 for K/V, 2 for the output).
     relayout=False takes it already in layout order (`zigzag.to_layout`, as a data
     loader would deliver it) and returns it so, with no communication beyond the ring's.
-    kernel: what computes each block (ring_attention_shard).
+    kernel: what computes each block (ring_attention_shard). custom_backward=False
+    differentiates the forward loop by autodiff (it keeps every block's scores: the
+    reference for the memory-efficient backward).
     """
     errors.flag("relayout", relayout)
     chunk = check_options(causal=causal, layout=layout, chunk=chunk, custom_backward=custom_backward)
     B, T, N, K, H = check_qkv(q, k, v, needed_by="ring_attention")
-    pspec = qkv_pspec(mesh, seq_axes=(axis,), n_heads=N, n_kv_heads=K, batch_size=B, needed_by="ring_attention")
-    zigzag.check_sequence(T, mesh_lib.axis_size(mesh, axis), layout)
-    shard = functools.partial(attend_ring, axis=axis, causal=causal, layout=layout, relayout=relayout, chunk=chunk,
-                              custom_backward=custom_backward, hop="ppermute", kernel=kernel)
+    pspec = qkv_pspec(mesh, seq_axes=(CP,), n_heads=N, n_kv_heads=K, batch_size=B, needed_by="ring_attention")
+    cp = mesh_lib.axis_size(mesh, CP)
+    zigzag.check_sequence(T, cp, layout)
+    blocks = Blocks(chunk, block_kernel(kernel, q, T // cp, layout))
+    shard = functools.partial(attend_ring, axis=CP, causal=causal, layout=layout, relayout=relayout, blocks=blocks,
+                              custom_backward=custom_backward, hop="ppermute")
     # Pallas' interpreter (the kernel off a GPU) cannot run inside a shard_map that checks
     # varying axes (its loops lose them); ring attention has no psum for the check to guard
-    interpreted = block_kernel(q, kernel, layout) == "pallas" and flash.interpret_here()
+    interpreted = blocks.kernel == "pallas" and flash.interpret_here()
     return jax.shard_map(shard, mesh=mesh, in_specs=(pspec,) * 3, out_specs=pspec,
                          check_vma=not interpreted)(q, k, v)

@@ -35,9 +35,10 @@ import jax.numpy as jnp
 from jaxpar import errors
 from jaxpar import mesh as mesh_lib
 from jaxpar.context import zigzag
-from jaxpar.context.blockwise import check_qkv
+from jaxpar.context.blockwise import Blocks, check_qkv
 from jaxpar.context.formulas import kv_heads_sent
-from jaxpar.context.ring import CHUNK, attend_ring, check_options, check_shard_tokens, qkv_pspec
+from jaxpar.context.ring import (CHUNK, attend_ring, block_kernel, check_options, check_shard_tokens,
+                                 qkv_pspec)
 from jaxpar.errors import ConfigError
 from jaxpar.kernels.attention import IMPLEMENTATIONS, attention, choose
 from jaxpar.mesh import CP, UCP
@@ -90,8 +91,8 @@ def _whole(q, k, v, *, causal: bool, chunk: int, kernel: str):
                                                  seq_len=int(q.shape[1]))
     if impl != "xla":
         return attention(q, k, v, causal=causal, implementation=impl)
-    return attend_ring(q, k, v, axis=None, causal=causal, layout="contiguous", relayout=False, chunk=chunk,
-                       custom_backward=True, hop="ppermute")
+    return attend_ring(q, k, v, axis=None, causal=causal, layout="contiguous", relayout=False, blocks=Blocks(chunk),
+                       hop="ppermute")
 
 
 def attend_hybrid(q, k, v, *, ulysses_axis, ring_axis, causal: bool, layout: str, relayout: bool, chunk: int,
@@ -112,8 +113,9 @@ def attend_hybrid(q, k, v, *, ulysses_axis, ring_axis, causal: bool, layout: str
     if ring_axis is None:
         o = _whole(q, k, v, causal=causal, chunk=chunk, kernel=kernel)
     else:
-        o = attend_ring(q, k, v, axis=ring_axis, causal=causal, layout=layout, relayout=relayout, chunk=chunk,
-                        custom_backward=True, hop="ppermute", kernel="xla" if kernel == "cudnn" else kernel)
+        blocks = Blocks(chunk, block_kernel("xla" if kernel == "cudnn" else kernel, q, q.shape[1], layout))
+        o = attend_ring(q, k, v, axis=ring_axis, causal=causal, layout=layout, relayout=relayout, blocks=blocks,
+                        hop="ppermute")
     if natural:
         o = zigzag.to_layout(o, u, layout, axis=1)
     return _to_sequence(o, ulysses_axis) if u > 1 else o

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -87,12 +88,23 @@ def _scores(q, k, qi, kj, bq, bk, scale, causal, precision):
     return jnp.where(rows >= cols, s, MASKED)
 
 
+class _Static(NamedTuple):
+    """A kernel's compile-time settings: the score scale, the diagonal mask, the tile of
+    the axis it walks (keys for the forward and dQ, queries for dK and dV), and the
+    matmul precision (float32 inputs at full precision, not TF32)."""
+    scale: float
+    causal: bool
+    tile: int
+    precision: Any
+
+
 def _last_key_tile(qi, bq, bk, n_k, causal):
     """One past the last key tile query tile qi sees."""
     return jnp.minimum(n_k, pl.cdiv((qi + 1) * bq, bk)) if causal else n_k
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, bk, precision):
+def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, st: _Static):
+    scale, causal, bk, precision = st
     bq, H = q_ref.shape
     qi = pl.program_id(2)
     q = q_ref[...]
@@ -113,7 +125,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, causal, bk, p
     lse_ref[...] = m + jnp.log(l)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal, bq, precision):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, st: _Static):
+    scale, causal, bq, precision = st
     G, Tq, H = q_ref.shape
     bk = k_ref.shape[0]
     kj = pl.program_id(1)
@@ -138,7 +151,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, bk, precision):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, st: _Static):
+    scale, causal, bk, precision = st
     bq, H = q_ref.shape
     qi = pl.program_id(2)
     q, do = q_ref[...], do_ref[...]
@@ -186,8 +200,7 @@ def block_forward(q, k, v, *, scale: float, causal: bool, interpret: bool = Fals
     Tk = k.shape[2]
     bq, bk = tile(Tq), tile(Tk)
     (qf, kf), vf = _flat(q, k), v.reshape(B * K, Tk, H)
-    kernel = functools.partial(_forward_kernel, scale=float(scale), causal=causal, bk=bk,
-                               precision=_precision(q.dtype))
+    kernel = functools.partial(_forward_kernel, st=_Static(float(scale), causal, bk, _precision(q.dtype)))
     whole = pl.BlockSpec((None, Tk, H), lambda b, g, i: (b, 0, 0))
     o, lse = pl.pallas_call(
         kernel, grid=(B * K, G, Tq // bq),
@@ -210,12 +223,12 @@ def block_backward(q, k, v, do, lse, delta, *, scale: float, causal: bool, inter
     dof = do.astype(q.dtype).reshape(qf.shape)
     lsef, deltaf = (a.astype(jnp.float32).reshape(qf.shape[:-1]) for a in (lse, delta))
     inputs = (qf, kf, vf, dof, lsef, deltaf)
-    common = dict(scale=float(scale), causal=causal, precision=_precision(q.dtype))
+    static = functools.partial(_Static, float(scale), causal, precision=_precision(q.dtype))
     heads = pl.BlockSpec((None, G, Tq, H), lambda b, j: (b, 0, 0, 0))
     stats = pl.BlockSpec((None, G, Tq), lambda b, j: (b, 0, 0))
     key_tile = pl.BlockSpec((None, bk, H), lambda b, j: (b, j, 0))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, bq=bq, **common), grid=(B * K, Tk // bk),
+        functools.partial(_dkv_kernel, st=static(tile=bq)), grid=(B * K, Tk // bk),
         in_specs=[heads, key_tile, key_tile, heads, stats, stats], out_specs=[key_tile, key_tile],
         out_shape=[_out(kf.shape, jnp.float32, *inputs)] * 2, name="jaxpar_block_dkv", **_params(interpret),
     )(*inputs)
@@ -223,7 +236,7 @@ def block_backward(q, k, v, do, lse, delta, *, scale: float, causal: bool, inter
     row_stats = pl.BlockSpec((None, None, bq), lambda b, g, i: (b, g, i))
     whole = pl.BlockSpec((None, Tk, H), lambda b, g, i: (b, 0, 0))
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, bk=bk, **common), grid=(B * K, G, Tq // bq),
+        functools.partial(_dq_kernel, st=static(tile=bk)), grid=(B * K, G, Tq // bq),
         in_specs=[rows, whole, whole, rows, row_stats, row_stats], out_specs=rows,
         out_shape=_out(qf.shape, jnp.float32, *inputs), name="jaxpar_block_dq", **_params(interpret),
     )(*inputs)

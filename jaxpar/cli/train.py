@@ -50,6 +50,13 @@ HELP = "train the composed model on a dp x pp x tp x cp x ep mesh (lecture 7), w
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _parallel_arguments(parser)
+    _model_arguments(parser)
+    _run_arguments(parser)
+
+
+def _parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the model is split: the mesh and each technique's options."""
     parser.add_argument("--mesh", default="dp=2,pp=2,tp=2", help="axis sizes, e.g. dp=2,pp=2,tp=2 (dp pp cp ep tp)")
     parser.add_argument("--schedule", default=orders.DEFAULT, help=f"one of: {', '.join(orders.REGISTRY)}")
     parser.add_argument("--microbatches", type=int, default=None, help="microbatches (default: 2 x pp)")
@@ -77,6 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with --dtype bfloat16, XLA elsewhere), xla, cudnn, or pallas (jaxpar's kernel, also for "
                              "ring blocks, on a GPU); refused where they cannot run")
     parser.add_argument("--layout", default="contiguous", help="contiguous or zigzag (ring over cp)")
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, its batch and its optimizer."""
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: fits the mesh)")
     parser.add_argument("--seq", type=int, default=32, help="tokens per sequence")
@@ -97,6 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps / 10)")
     parser.add_argument("--clip", type=float, default=1.0)
+
+
+def _run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Checkpoints, logs, data, evaluation, profiling, processes and output."""
     parser.add_argument("--checkpoint", default=None,
                         help="directory (its folder must exist): save every --every steps and the last, resume from it")
     parser.add_argument("--every", type=int, default=20)

@@ -6,7 +6,7 @@
 #
 #   JAXPAR_COMMIT=$(git rev-parse --short HEAD) benchmarks/gpu_check.sh [tour] [checks] [tests] [bench] [torch]
 #
-# With no argument tour, tests, bench and torch run, one after the other. `tour` is
+# With no argument tour, tests, attention, bench and torch run, one after the other. `tour` is
 # `python -m jaxpar tour` in one call (TOUR_S seconds at most), its exit status last in
 # $OUT/tour.txt; `checks` runs the same checks as `jaxpar verify NAME` one by one (CHECK_S
 # seconds each), appending to $OUT/checks.txt, so a call cut short keeps what finished. The
@@ -17,7 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-parts=${*:-tour tests bench torch}
+parts=${*:-tour tests attention bench torch}
 has() { [[ " $parts " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"

@@ -37,8 +37,8 @@ if has checks; then    # check by check, appended to one file: a run cut short k
   grep -E " NO |Error" "$OUT/checks.txt" | cut -c1-220
 fi
 if has tests; then
-  XLA_PYTHON_CLIENT_PREALLOCATE=false JAXPAR_TEST_PLATFORM=gpu timeout ${TESTS_S:-170} \
-      python3 -m pytest -q -p no:cacheprovider -rs tests/kernels tests/gpu > "$OUT/tests.txt" 2>&1
+  XLA_PYTHON_CLIENT_PREALLOCATE=false JAXPAR_TEST_PLATFORM=gpu timeout ${TESTS_S:-240} \
+      python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_flash.py tests/kernels/test_attention.py tests/gpu > "$OUT/tests.txt" 2>&1
   echo "tests exit $?" >> "$OUT/tests.txt"; tail -25 "$OUT/tests.txt"
 fi
 if has attention; then  # the attention implementations, forward + backward (fused kernels against XLA)

@@ -29,3 +29,12 @@ def guarded(measure: Callable[[], dict], **identity) -> dict:
         return measure()
     except Exception as e:  # noqa: BLE001 - the failure is the row's content
         return {**identity, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+
+
+def without_gpu(name: str, anyway: bool) -> bool:
+    """True (after saying why) when there is no GPU and --cpu did not ask to run anyway:
+    the GPU benchmarks then skip and exit 0."""
+    if jax.default_backend() == "gpu" or anyway:
+        return False
+    print(f"benchmarks.{name}: skipped: no GPU (backend {jax.default_backend()}); run it on a GPU machine")
+    return True

@@ -29,7 +29,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks._timing import guarded
+from benchmarks._timing import guarded, without_gpu
 from jaxpar import mesh as mesh_lib
 from jaxpar import reference
 from jaxpar.context import ring
@@ -78,8 +78,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq", default="2048,8192", help="sequence lengths, comma-separated")
     p.add_argument("--cpu", action="store_true", help="run anyway off a GPU (the kernel interpreted; a smoke test)")
     args = p.parse_args(argv)
-    if jax.default_backend() != "gpu" and not args.cpu:
-        print(f"benchmarks.attention_gpu: skipped: no GPU (backend {jax.default_backend()})")
+    if without_gpu("attention_gpu", args.cpu):
         return 0
     os.makedirs(args.out, exist_ok=True)
     rows = []

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks._timing import guarded
+from benchmarks._timing import guarded, without_gpu
 from jaxpar import reference
 from jaxpar.errors import ConfigError
 from jaxpar.train import throughput
@@ -148,8 +148,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="gpu-bench", help="folder of gpu.json")
     p.add_argument("--cpu", action="store_true", help="run on CPU anyway (tiny steps count; a smoke test)")
     args = p.parse_args(argv)
-    if jax.default_backend() != "gpu" and not args.cpu:
-        print(f"benchmarks.gpu: skipped: no GPU (backend {jax.default_backend()}); run it on a GPU machine")
+    if without_gpu("gpu", args.cpu):
         return 0
     names = list(MODELS) if args.only is None else args.only.split(",")
     unknown = [n for n in names if n not in MODELS]

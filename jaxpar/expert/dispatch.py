@@ -44,9 +44,11 @@ from jaxpar import errors
 from jaxpar import mesh as mesh_lib
 from jaxpar import reference
 from jaxpar.expert.formulas import capacity
-from jaxpar.expert.grouped import grouped_moe
+from jaxpar.expert.grouped import KERNELS, grouped_moe
 from jaxpar.expert.router import check_route, check_top_k, expert_load, select_experts
 from jaxpar.errors import ConfigError
+from jaxpar.kernels import grouped as grouped_kernel
+from jaxpar.kernels.flash import interpret_here
 from jaxpar.mesh import DP, EP
 
 DROPS = ("position", "probability")
@@ -105,6 +107,11 @@ class MoEOptions:
     buffer (E*C rows, E*t dropless). It needs dropless (capacity_factor None) and every
     expert on this device (ep = 1). None: grouped exactly there (what the trainer asks
     for); True: grouped, refused elsewhere; False: the buffer always."""
+    kernel: str = "xla"
+    """What runs the grouped experts' matmuls: "xla" (einsums batched over blocks of
+    t*k/2E rows, one weight copy per block) or "pallas" (kernels.grouped: 128-row tiles,
+    each reading its expert's matrix in place). "pallas" needs the grouped path and
+    d_model and the experts' d_ff multiples of 16."""
 
     @classmethod
     def of(cls, cfg: reference.ModelConfig, **overrides) -> MoEOptions:
@@ -140,6 +147,7 @@ def ep_moe_shard(p: dict, x, *, axis=EP, options: MoEOptions, bias=None, routing
     check_expert_weights(p, mlp=options.mlp, leading=E // ep,
                          why=f"each of the ep={ep} devices holds E/ep={E // ep} experts")
     check_grouped(options, ep)
+    check_kernel(options, ep, d_model=D, d_ff=p["w_up"].shape[-1])
     return dispatch_and_combine(p, x, axis=axis, options=options, bias=bias, routing=routing)
 
 
@@ -171,6 +179,26 @@ def check_grouped(options: MoEOptions, ep: int) -> None:
                           "device (ep = 1); across devices the all-to-all buffers stay. Fix: grouped=None")
 
 
+def check_kernel(options: MoEOptions, ep: int, *, d_model: int, d_ff: int) -> None:
+    """Refuse kernel="pallas" where the grouped path does not run or its tiles do not fit."""
+    errors.one_of("kernel", options.kernel, KERNELS)
+    if options.kernel != "pallas":
+        return
+    if not runs_grouped(options, ep):
+        raise ConfigError(f"kernel='pallas' with capacity_factor={options.capacity_factor}, ep={ep}, "
+                          f"grouped={options.grouped}: the kernel runs the grouped experts, which need dropless "
+                          "(capacity_factor None) and ep = 1. Fix: kernel='xla'")
+    refusal = grouped_kernel.fits(k=d_model, n=d_ff) or grouped_kernel.fits(k=d_ff, n=d_model)
+    if refusal:
+        raise ConfigError(f"kernel='pallas': {refusal}. Fix: kernel='xla'")
+
+
+def interpreted(options: MoEOptions) -> bool:
+    """Whether the layer runs a Pallas kernel in Pallas' interpreter (off a GPU), which
+    cannot run inside a shard_map checking varying axes: its loops lose them (jax 0.10)."""
+    return options.kernel == "pallas" and interpret_here()
+
+
 def dispatch_and_combine(p: dict, x, *, axis, options: MoEOptions, bias, routing):
     """ep_moe_shard on inputs its entry points (ep_moe, ep_moe_shard) have checked: route
     (unless `routing` is given), pack each expert's tokens, all-to-all them to the
@@ -183,7 +211,7 @@ def dispatch_and_combine(p: dict, x, *, axis, options: MoEOptions, bias, routing
     E = r.probs.shape[-1]
     ep = 1 if axis is None else jax.lax.axis_size(axis)
     if runs_grouped(options, ep):
-        y, kept = grouped_moe(p, x, r.experts, r.weights, mlp=options.mlp)
+        y, kept = grouped_moe(p, x, r.experts, r.weights, mlp=options.mlp, kernel=options.kernel)
         return y, kept, jnp.zeros_like(kept)
     local = E // ep
     C = capacity(t, options.top_k, E, options.capacity_factor)
@@ -286,10 +314,11 @@ def pspecs(mesh, params: dict) -> tuple[dict, P]:
 
 
 def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "position",
-           scoring: str = "softmax", bias=None, grouped: bool | None = None):
+           scoring: str = "softmax", bias=None, grouped: bool | None = None, kernel: str = "xla"):
     """The MoE layer on global arrays: x [B, T, D] -> (y [B, T, D], MoEStats). Tokens are
     split over (dp, ep), expert weights over ep (EP shares the data-parallel devices). Dropless
-    (capacity_factor=None) it equals reference.moe(params, x, top_k=cfg.top_k); grouped: `MoEOptions.grouped`."""
+    (capacity_factor=None) it equals reference.moe(params, x, top_k=cfg.top_k); grouped and kernel:
+    `MoEOptions.grouped` and `.kernel`."""
     mesh_lib.require_mesh(mesh, axes=(EP,), needed_by="ep_moe")
     if not isinstance(cfg, reference.ModelConfig):
         raise ConfigError(f"cfg is a {type(cfg).__name__}: give a reference.ModelConfig with n_experts and top_k")
@@ -319,8 +348,10 @@ def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "pos
     C = capacity(tokens, cfg.top_k, cfg.n_experts, capacity_factor)   # refuses a capacity_factor <= 0
     p = {name: params[name] for name in names}
     p_pspecs, x_pspec = pspecs(mesh, p)
-    options = MoEOptions.of(cfg, capacity_factor=capacity_factor, drop=drop, scoring=scoring, grouped=grouped)
+    options = MoEOptions.of(cfg, capacity_factor=capacity_factor, drop=drop, scoring=scoring, grouped=grouped,
+                            kernel=kernel)
     check_grouped(options, ep)
+    check_kernel(options, ep, d_model=D, d_ff=params["w_up"].shape[-1])
     shard = functools.partial(dispatch_and_combine, axis=EP if ep > 1 else None, options=options, routing=None)
 
     def run(p, x, bias):
@@ -332,6 +363,6 @@ def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "pos
     if manual_axes(mesh):
         run = jax.shard_map(run, mesh=mesh, in_specs=(p_pspecs, x_pspec, bias_pspec),
                             out_specs=(x_pspec, x_pspec, x_pspec),
-                            axis_names=set(manual_axes(mesh)))
+                            axis_names=set(manual_axes(mesh)), check_vma=not interpreted(options))
     y, kept, dropped = run(p, x, bias)       # one device: nothing to split, no shard_map
     return y, MoEStats(kept, dropped, ep, C)

@@ -1,7 +1,7 @@
 """The dropless MoE layer of one device as grouped matmuls (MegaBlocks' dropless MoE, in
 whole blocks): about t*k rows of expert work instead of the padded buffer's E*t.
 
-    grouped_moe(p, x, experts, weights, *, mlp)   x [t, D] -> (y [t, D], tokens per expert [E])
+    grouped_moe(p, x, experts, weights, *, mlp, kernel)   x [t, D] -> (y [t, D], tokens per expert [E])
 
 The padded path (dispatch.py) gives each expert a buffer of C = t slots, the most it can
 be sent, and runs every expert on all of them: E*t rows, E/k times the t*k a routed
@@ -24,6 +24,12 @@ sizes), but it is lowered densely on CPU and, by default, on GPUs (jax 0.10.2 an
 (22.8 ms for the layer above, the XLA flags xla_gpu_experimental_use_ragged_dot_fusion
 and _grouped_gemm changing nothing).
 
+kernel="pallas" runs the three matmuls through kernels.grouped instead: blocks of
+TILE_ROWS = 128 rows (at most t*k + E*127 rows: 1.03 t*k at t*k = 32768, E = 8), each
+tile reading its expert's matrix in place, so no weight is copied per block; the weight
+gradient walks each expert's tiles only. A Pallas kernel: Triton on a GPU, the
+interpreter elsewhere.
+
 Backward: the buffer is a scatter of x's rows to their slots (distinct), whose
 transpose is a gather (no atomics); the weight gathers' transposes add each block's
 weight gradient into its expert's.
@@ -31,8 +37,15 @@ weight gradient into its expert's.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from jaxpar.kernels import grouped as grouped_kernel
+from jaxpar.kernels.flash import interpret_here
+
+KERNELS = ("xla", "pallas")
 
 BLOCKS_PER_EXPERT = 2
 """Blocks an expert fills at an even load (t*k/E rows): b = t*k / (E * this)."""
@@ -71,27 +84,42 @@ def block_matmul(h, w, block_expert):
     return jnp.einsum("nbd,ndf->nbf", h.astype(dtype), jnp.take(w.astype(dtype), block_expert, axis=0))
 
 
-def block_experts(p: dict, h, block_expert, mlp: str):
-    """Each block's expert MLP: h [n_blocks, b, D] -> [n_blocks, b, D]."""
-    up = block_matmul(h, p["w_up"], block_expert)
+def tile_matmul(h, w, tiles: grouped_kernel.Tiles):
+    """h [n_tiles * TILE_ROWS, D_in] x w [E, D_in, D_out] -> [n_tiles * TILE_ROWS, D_out]
+    through the grouped kernel (both promoted to one dtype, as an einsum would)."""
+    dtype = jnp.result_type(h, w)
+    return grouped_kernel.grouped_matmul(h.astype(dtype), w.astype(dtype), tiles, interpret=interpret_here())
+
+
+def block_experts(p: dict, h, matmul, mlp: str):
+    """Each block's expert MLP on h (the rows, however `matmul(h, w)` blocks them)."""
+    up = matmul(h, p["w_up"])
     if mlp == "swiglu":
-        up = jax.nn.silu(block_matmul(h, p["w_gate"], block_expert)) * up
+        up = jax.nn.silu(matmul(h, p["w_gate"])) * up
     else:
         up = jax.nn.gelu(up, approximate=False)
-    return block_matmul(up, p["w_down"], block_expert)
+    return matmul(up, p["w_down"])
 
 
-def grouped_moe(p: dict, x, experts, weights, *, mlp: str):
+def grouped_moe(p: dict, x, experts, weights, *, mlp: str, kernel: str = "xla"):
     """The MoE layer of one device holding all E experts (p: "w_up" [E, D, F], "w_down"
     [E, F, D], and "w_gate" for SwiGLU) on tokens x [t, D] routed to experts [t, k] with
-    gates weights [t, k]: (y [t, D], assignments per expert [E] int32, all kept)."""
+    gates weights [t, k]: (y [t, D], assignments per expert [E] int32, all kept). kernel:
+    "xla" (block_matmul's batched einsums) or "pallas" (kernels.grouped; D and F as its
+    `fits` says, checked by the caller)."""
     t, D = x.shape
     k = experts.shape[1]
-    b = block_rows(t * k, p["w_up"].shape[0])
-    slot, block_expert, sizes = block_slots(experts, p["w_up"].shape[0], b)
+    E = p["w_up"].shape[0]
+    b = grouped_kernel.TILE_ROWS if kernel == "pallas" else block_rows(t * k, E)
+    slot, block_expert, sizes = block_slots(experts, E, b)
     rows = block_expert.shape[0] * b
     # each row of x to its k slots (distinct): the transpose gathers, no scatter-add
     buf = jnp.zeros((rows, D), x.dtype).at[slot.reshape(-1)].set(jnp.repeat(x, k, axis=0), unique_indices=True)
-    out = block_experts(p, buf.reshape(-1, b, D), block_expert, mlp).reshape(rows, D)     # [n_blocks * b, D]
+    if kernel == "pallas":
+        tiles = grouped_kernel.tiles(sizes, block_expert.shape[0], b)
+        out = block_experts(p, buf, functools.partial(tile_matmul, tiles=tiles), mlp)        # [n_blocks * b, D]
+    else:
+        matmul = functools.partial(block_matmul, block_expert=block_expert)
+        out = block_experts(p, buf.reshape(-1, b, D), matmul, mlp).reshape(rows, D)
     got = jnp.take(out, slot.reshape(-1), axis=0, unique_indices=True).reshape(t, k, D)
     return jnp.einsum("tk,tkd->td", weights.astype(out.dtype), got), sizes

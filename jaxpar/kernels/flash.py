@@ -66,10 +66,12 @@ def interpret_here() -> bool:
     return jax.default_backend() not in ("gpu", "cuda")
 
 
-def _params(interpret: bool) -> dict:
+def params(interpret: bool, *, num_warps: int = 4, num_stages: int = 2) -> dict:
+    """pallas_call's keywords: the interpreter, or Triton's launch (warps per program, the
+    stages its loops' loads are pipelined over)."""
     if interpret:
         return {"interpret": True}
-    return {"compiler_params": plt.CompilerParams(num_warps=4, num_stages=2)}
+    return {"compiler_params": plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
 
 
 def _dot(a, b, precision):
@@ -174,7 +176,7 @@ _VARYING = next((n for n in ("manual_axis_type", "vma")
                  if n in inspect.signature(jax.ShapeDtypeStruct.__init__).parameters), None)
 
 
-def _out(shape, dtype, *inputs):
+def out_struct(shape, dtype, *inputs):
     """A pallas_call output of `shape` and `dtype` that varies over the mesh axes any of
     `inputs` varies over (inside shard_map; the keyword is jax's of this version)."""
     if _VARYING is None:
@@ -207,8 +209,8 @@ def block_forward(q, k, v, *, scale: float, causal: bool, interpret: bool = Fals
         in_specs=[pl.BlockSpec((None, None, bq, H), lambda b, g, i: (b, g, i, 0)), whole, whole],
         out_specs=[pl.BlockSpec((None, None, bq, H), lambda b, g, i: (b, g, i, 0)),
                    pl.BlockSpec((None, None, bq), lambda b, g, i: (b, g, i))],
-        out_shape=[_out(qf.shape, jnp.float32, qf, kf, vf), _out(qf.shape[:-1], jnp.float32, qf, kf, vf)],
-        name="jaxpar_block_forward", **_params(interpret),
+        out_shape=[out_struct(qf.shape, jnp.float32, qf, kf, vf), out_struct(qf.shape[:-1], jnp.float32, qf, kf, vf)],
+        name="jaxpar_block_forward", **params(interpret),
     )(qf, kf, vf)
     return o.reshape(q.shape), lse.reshape(q.shape[:-1])
 
@@ -230,7 +232,7 @@ def block_backward(q, k, v, do, lse, delta, *, scale: float, causal: bool, inter
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, st=static(tile=bq)), grid=(B * K, Tk // bk),
         in_specs=[heads, key_tile, key_tile, heads, stats, stats], out_specs=[key_tile, key_tile],
-        out_shape=[_out(kf.shape, jnp.float32, *inputs)] * 2, name="jaxpar_block_dkv", **_params(interpret),
+        out_shape=[out_struct(kf.shape, jnp.float32, *inputs)] * 2, name="jaxpar_block_dkv", **params(interpret),
     )(*inputs)
     rows = pl.BlockSpec((None, None, bq, H), lambda b, g, i: (b, g, i, 0))
     row_stats = pl.BlockSpec((None, None, bq), lambda b, g, i: (b, g, i))
@@ -238,6 +240,6 @@ def block_backward(q, k, v, do, lse, delta, *, scale: float, causal: bool, inter
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, st=static(tile=bk)), grid=(B * K, G, Tq // bq),
         in_specs=[rows, whole, whole, rows, row_stats, row_stats], out_specs=rows,
-        out_shape=_out(qf.shape, jnp.float32, *inputs), name="jaxpar_block_dq", **_params(interpret),
+        out_shape=out_struct(qf.shape, jnp.float32, *inputs), name="jaxpar_block_dq", **params(interpret),
     )(*inputs)
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)

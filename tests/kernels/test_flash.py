@@ -24,7 +24,8 @@ from jaxpar.errors import ConfigError
 from jaxpar.kernels import attention as kernel
 from jaxpar.kernels import flash
 from jaxpar.testing import assert_close, precision_policy, tolerance
-from jaxpar.train import ParallelSpec, Trainer, recipe
+from jaxpar.train import ParallelSpec, recipe
+from tests.kernels import training
 
 GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not GPU, reason="the Pallas kernel compiles through Triton on an NVIDIA GPU; this "
@@ -216,14 +217,6 @@ def test_the_trainer_through_the_kernel_on_a_gpu_follows_the_xla_attention():
     within the bf16 rule."""
     cfg = reference.ModelConfig(d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=512, vocab=256)
     tokens = jax.random.randint(jax.random.key(0), (4, 257), 0, cfg.vocab)
-    losses = {}
-    for name in ("pallas", "xla"):
-        trainer = Trainer(cfg, ParallelSpec(), batch_size=4, seq_len=256, devices=jax.devices()[:1],
-                          compute_dtype=jnp.bfloat16, attention_kernel=name)
-        assert trainer.kernel == name
-        state = trainer.init(jax.random.key(1))
-        losses[name] = []
-        for _ in range(3):
-            state, metrics = trainer.step(state, trainer.put(tokens))
-            losses[name].append(float(metrics["loss"]))
-    np.testing.assert_allclose(losses["pallas"], losses["xla"], rtol=tolerance(jnp.bfloat16)[0])
+    runs = {name: training.losses(cfg, tokens, attention_kernel=name) for name in ("pallas", "xla")}
+    assert [trainer.kernel for _, trainer in runs.values()] == ["pallas", "xla"]
+    np.testing.assert_allclose(runs["pallas"][0], runs["xla"][0], rtol=tolerance(jnp.bfloat16)[0])

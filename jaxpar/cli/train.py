@@ -164,9 +164,11 @@ def main(args) -> int:
     compute = compute_dtype(args.dtype)
     from jaxpar import errors
 
+    from jaxpar.kernels import grouped
     from jaxpar.kernels.attention import IMPLEMENTATIONS
 
     errors.one_of("attention_kernel", args.attention_kernel, IMPLEMENTATIONS)
+    errors.one_of("expert_kernel", args.expert_kernel, grouped.IMPLEMENTATIONS)
 
     if args.checkpoint is not None:
         errors.writable_path("directory", args.checkpoint, directory=True)
@@ -191,7 +193,8 @@ def main(args) -> int:
     with contextlib.ExitStack() as stack:    # the checkpoints' threads end here, whatever is raised
         ckpt = stack.enter_context(Checkpoints(args.checkpoint, every=args.every)) if args.checkpoint else None
         trainer = Trainer(cfg, spec, optim, batch_size=batch, seq_len=args.seq, devices=devices[:spec.devices],
-                          compute_dtype=compute, attention_kernel=args.attention_kernel)
+                          compute_dtype=compute, attention_kernel=args.attention_kernel,
+                          expert_kernel=args.expert_kernel)
         validation = Validation(every_eval, args.eval_batches) if every_eval is not None else None
         _, history = fit(trainer, steps=args.steps, corpus=data, checkpoints=ckpt, resume=args.resume,
                          log=args.log, progress=not (args.quiet or args.json), validation=validation,
@@ -270,6 +273,7 @@ def _summary(args, trainer, history, lead: bool) -> dict:
     summary["flops_per_token"] = throughput.flops_per_token(trainer.cfg, trainer.seq_len)
     summary["device_kind"] = device_kind
     summary["attention_kernel"] = trainer.kernel
+    summary["expert_kernel"] = trainer.expert_matmuls if trainer.cfg.n_experts else None
     summary["vocab"] = trainer.cfg.vocab
     summary["processes"] = jax.process_count()
     rows = loop.local_rows(trainer.token_sharding, (trainer.batch_size, trainer.seq_len + 1))
@@ -285,6 +289,7 @@ def _summary(args, trainer, history, lead: bool) -> dict:
 
 def _format_extra(s: dict, trainer, args) -> str:
     from jaxpar.kernels.attention import describe
+    from jaxpar.kernels.grouped import describe as grouped_describe
     from jaxpar.train import throughput
 
     peak = throughput.peak_flops(s["device_kind"], trainer.compute_dtype or trainer.dtype)
@@ -299,5 +304,7 @@ def _format_extra(s: dict, trainer, args) -> str:
                  + (f"peak {peak:.3g} FLOP/s per {s['device_kind']})" if peak else
                     f"no peak FLOP/s known for {s['device_kind']!r})"))
     lines.append(f"  attention: {describe(s['attention_kernel'])}")
+    if s["expert_kernel"] is not None:
+        lines.append(f"  experts: {grouped_describe(s['expert_kernel'], trainer.spec.ep)}")
     lines.append(_format_communication(s["communication"]))
     return "\n".join(lines)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 
-from jaxpar.pipeline import stage_layers
 from jaxpar.schedules import orders
 
 FLAGS = {"dp": "--mesh dp", "pp": "--mesh pp", "tp": "--mesh tp", "cp": "--mesh cp", "ep": "--mesh ep",
@@ -19,7 +18,7 @@ FLAGS = {"dp": "--mesh dp", "pp": "--mesh pp", "tp": "--mesh tp", "cp": "--mesh 
          "bias_rate": "--bias-rate", "top_k": "--top-k", "eval_every": "--eval-every",
          "eval_batches": "--eval-batches", "coordinator": "--coordinator", "num_processes": "--processes",
          "process_id": "--process-id", "profile": "--profile", "resume": "--resume", "clip": "--clip",
-         "attention_kernel": "--attention-kernel"}
+         "attention_kernel": "--attention-kernel", "expert_kernel": "--expert-kernel"}
 HELP = "train the composed model on a dp x pp x tp x cp x ep mesh (lecture 7), with a summary"
 
 
@@ -58,6 +57,9 @@ def _parallel_arguments(parser: argparse.ArgumentParser) -> None:
                              "with --dtype bfloat16, XLA elsewhere), xla, cudnn, or pallas (jaxpar's kernel, also for "
                              "ring blocks, on a GPU); refused where they cannot run")
     parser.add_argument("--layout", default="contiguous", help="contiguous or zigzag (ring over cp)")
+    parser.add_argument("--expert-kernel", default="auto",
+                        help="the MoE's grouped expert matmuls: auto (XLA's batched matmuls), xla, or pallas "
+                             "(jaxpar's grouped-matmul kernel: 128-row tiles, no weight copies; on a GPU at ep=1)")
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:

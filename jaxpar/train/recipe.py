@@ -41,6 +41,7 @@ from jaxpar.data import zero
 from jaxpar.errors import ConfigError
 from jaxpar.expert.dispatch import MoEOptions, ep_moe_shard
 from jaxpar.expert.router import route
+from jaxpar.kernels import grouped as grouped_kernel
 from jaxpar.kernels.attention import attention as attention_kernel
 from jaxpar.kernels.attention import choose, choose_block
 from jaxpar.mesh import CP, EP, TP
@@ -63,6 +64,7 @@ class Layers:
     seq_len: int                        # T, the whole sequence
     batch_size: int | None              # sequences per step: the balance loss's weight
     kernel: str = "xla"                 # the attention's kernel: a whole sequence's, or a ring block's (cp > 1)
+    expert_kernel: str = "xla"          # what runs the grouped experts' matmuls ("pallas": kernels.grouped)
     pspecs: dict                        # {"blocks": one layer's, "first", "last"}: model.stage_pspecs
     sequence_parallel: bool = False     # tensor: SP's T/tp between the sublayers
     attend: Callable                    # context: attend(q, k, v) on this shard's heads
@@ -77,12 +79,13 @@ class Layers:
 
 
 def compose(cfg: reference.ModelConfig, spec: ParallelSpec, *, seq_len: int, batch_size: int | None = None,
-            kernel: str = "xla", compute_dtype=None) -> Layers:
+            kernel: str = "xla", expert_kernel: str = "xla", compute_dtype=None) -> Layers:
     """The model `cfg` on `spec`, technique by technique in the lecture's order."""
     if cfg.n_experts and cfg.aux_loss and batch_size is None:
         raise ConfigError(f"aux_loss={cfg.aux_loss}: the balance loss is a mean over the step's sequences; "
                           "give batch_size= (sequences per step)")
-    layers = unsharded(cfg, seq_len=seq_len, batch_size=batch_size, kernel=kernel)
+    layers = dataclasses.replace(unsharded(cfg, seq_len=seq_len, batch_size=batch_size, kernel=kernel),
+                                 expert_kernel=expert_kernel)
     layers = apply_tensor(layers, spec)
     layers = apply_context(layers, spec)
     layers = apply_expert(layers, spec)
@@ -108,6 +111,19 @@ def choose_kernel(requested: str, cfg: reference.ModelConfig, spec: ParallelSpec
         raise ConfigError(f"attention_kernel='pallas' on {platform}: the Pallas kernel compiles for NVIDIA GPUs and "
                           "runs interpreted elsewhere, which the trainer's shard_map cannot hold. Fix: 'auto' or 'xla'")
     return kernel
+
+
+def choose_expert_kernel(requested: str, cfg: reference.ModelConfig, spec: ParallelSpec, *, platform: str) -> str:
+    """What runs the MoE layers' grouped matmuls for `requested` ("auto", "xla", "pallas"):
+    kernels.grouped.choose for this device's share of the experts' width (d_ff / tp); the
+    trainer's MoE is dropless, so it runs grouped at ep = 1. A dense model has none to run."""
+    if not cfg.n_experts:
+        if requested == "pallas":
+            raise ConfigError("expert_kernel='pallas' with n_experts=0: a dense model has no experts' matmuls. "
+                              "Fix: 'auto', or n_experts > 0")
+        return "xla"
+    return grouped_kernel.choose(requested, d_model=cfg.d_model, d_ff=cfg.d_ff // spec.tp, grouped=spec.ep == 1,
+                                 platform=platform)
 
 
 def unsharded(cfg: reference.ModelConfig, *, seq_len: int, batch_size: int | None, kernel: str) -> Layers:
@@ -159,7 +175,8 @@ def apply_expert(layers: Layers, spec: ParallelSpec) -> Layers:
     with load balancing (`balance.moe_balance`) its loss and statistics ride along."""
     if not layers.cfg.n_experts:
         return layers
-    ffn = functools.partial(_moe, cfg=layers.cfg, spec=spec, seq_len=layers.seq_len, batch_size=layers.batch_size)
+    ffn = functools.partial(_moe, cfg=layers.cfg, spec=spec, seq_len=layers.seq_len, batch_size=layers.batch_size,
+                            kernel=layers.expert_kernel)
     return dataclasses.replace(layers, ffn=ffn)
 
 
@@ -261,7 +278,8 @@ def _block(p, x, *, layers: Layers):
                        positions=layers.positions(), attend=layers.attend, ffn=layers.ffn)
 
 
-def _moe(p, z, *, cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int, batch_size: int | None):
+def _moe(p, z, *, cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int, batch_size: int | None,
+         kernel: str):
     """The MoE on this device's tokens z [mb, T', D]: experts over ep, their FFN over tp."""
     sp = spec.sequence_parallel
     zg = gather_from_sp(z, TP, 1) if sp else copy_to_tp(z, TP)                    # [mb, Tc, D]
@@ -270,7 +288,8 @@ def _moe(p, z, *, cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int, 
     x = zg.reshape(B * T, D)
     r = route(p["router"], x, top_k=cfg.top_k, scoring=cfg.router, renormalize=cfg.moe_renormalize,
               bias=p.get("router_bias"))
-    y, _, _ = ep_moe_shard(experts, x, axis=EP if spec.ep > 1 else None, options=MoEOptions.of(cfg), routing=r)
+    y, _, _ = ep_moe_shard(experts, x, axis=EP if spec.ep > 1 else None, options=MoEOptions.of(cfg, kernel=kernel),
+                           routing=r)
     if balance.enabled(cfg):
         y = balance.moe_balance(y, p, r, cfg=cfg, sizes=spec.sizes, sequences=B, seq_len=seq_len,
                                 batch_size=batch_size)

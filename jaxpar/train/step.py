@@ -108,9 +108,14 @@ class Trainer:
     # over whole sequences; a ring's blocks as kernels.attention.choose_block says), "xla",
     # "cudnn" or "pallas" (recipe.choose_kernel); `kernel` says which runs
     attention_kernel: str = "auto"
+    # what runs an MoE's grouped experts: "auto" (the XLA batched matmuls until the Pallas
+    # kernel has run on a GPU: kernels.grouped.PALLAS_AUTO), "xla", or "pallas" (kernels.grouped,
+    # on a GPU at ep = 1); `expert_matmuls` says which runs
+    expert_kernel: str = "auto"
 
     # ---- built from the arguments above, in __post_init__'s order ----
     kernel: str = _built()                   # "cudnn", "pallas" or "xla": what the layers' attention runs
+    expert_matmuls: str = _built()           # "pallas" or "xla": what runs the experts' grouped matmuls
     layers: recipe.Layers = _built()         # the model composed technique by technique (recipe.compose)
     mesh: jax.sharding.Mesh = _built()
     schedule: Schedule = _built()
@@ -135,8 +140,11 @@ class Trainer:
         self.compute_dtype = None if compute == jnp.dtype(self.dtype) else compute
         self.kernel = recipe.choose_kernel(self.attention_kernel, self.cfg, self.spec, seq_len=self.seq_len,
                                            dtype=compute, platform=devices[0].platform)
+        self.expert_matmuls = recipe.choose_expert_kernel(self.expert_kernel, self.cfg, self.spec,
+                                                          platform=devices[0].platform)
         self.layers = recipe.compose(self.cfg, self.spec, seq_len=self.seq_len, batch_size=self.batch_size,
-                                     kernel=self.kernel, compute_dtype=self.compute_dtype)
+                                     kernel=self.kernel, expert_kernel=self.expert_matmuls,
+                                     compute_dtype=self.compute_dtype)
         self.mesh = self.spec.mesh(devices)
         shapes = model_lib.split(jax.eval_shape(lambda: reference.init_params(jax.random.key(0), self.cfg,
                                                                               self.dtype)))
@@ -372,10 +380,15 @@ class Trainer:
         return self.compiled(state, tokens)
 
     def lower(self, state: TrainState | None = None):
+        abstract_state, tokens = self.abstract_inputs()
+        return self._step.lower(abstract_state if state is None else state, tokens)
+
+    def abstract_inputs(self) -> tuple[TrainState, jax.ShapeDtypeStruct]:
+        """(state, tokens) as the step takes them, shapes and shardings only: to lower or
+        trace the step without data."""
         state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                             self.abstract_state(), self.shardings) if state is None else state
-        tokens = jax.ShapeDtypeStruct((self.batch_size, self.seq_len + 1), jnp.int32, sharding=self.token_sharding)
-        return self._step.lower(state, tokens)
+                             self.abstract_state(), self.shardings)
+        return state, jax.ShapeDtypeStruct((self.batch_size, self.seq_len + 1), jnp.int32, sharding=self.token_sharding)
 
     def abstract_state(self) -> TrainState:
         return jax.eval_shape(lambda: TrainState(step=jnp.zeros((), jnp.int32), params=self.shapes,

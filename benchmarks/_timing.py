@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import jax
 
@@ -38,3 +40,30 @@ def without_gpu(name: str, anyway: bool) -> bool:
         return False
     print(f"benchmarks.{name}: skipped: no GPU (backend {jax.default_backend()}); run it on a GPU machine")
     return True
+
+
+def compiled_seconds(step: Callable, args: tuple, reps: int):
+    """(seconds per call, the compiled program) of jax.jit(step) on args: compiled first
+    (not timed), min(2, reps) warm-up calls, then `reps` calls back to back, blocked once."""
+    compiled = jax.jit(step).lower(*args).compile()
+    for _ in range(min(2, reps)):
+        jax.block_until_ready(compiled(*args))
+    start = time.perf_counter()
+    for _ in range(reps):
+        out = compiled(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / reps, compiled
+
+
+def rows_to(path: str, measures: Iterable[tuple[dict, Callable[[], dict]]]) -> list[dict]:
+    """The row of each (identity, measure) (`guarded`), printed as it comes, the JSON at
+    `path` (device, jax version, rows) rewritten after each: a run cut short keeps what
+    it measured."""
+    rows = []
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    for identity, measure in measures:
+        rows.append(guarded(measure, **identity))
+        print(json.dumps(rows[-1]), flush=True)
+        with open(path, "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1)
+    return rows

@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks._timing import guarded, without_gpu
+from benchmarks._timing import compiled_seconds, rows_to, without_gpu
 from jaxpar import mesh as mesh_lib
 from jaxpar import reference
 from jaxpar.context import ring
@@ -59,14 +57,7 @@ def measure(name: str, fn, T: int, reps: int = 10, heads: tuple[int, int, int] =
     def step(q, k, v, do):
         o, vjp = jax.vjp(fn, q, k, v)
         return o, *vjp(do)
-    compiled = jax.jit(step).lower(q, k_, v, do).compile()
-    for _ in range(min(2, reps)):
-        jax.block_until_ready(compiled(q, k_, v, do))
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        out = compiled(q, k_, v, do)
-    jax.block_until_ready(out)
-    s = (time.perf_counter() - t0) / reps
+    s, compiled = compiled_seconds(step, (q, k_, v, do), reps)
     flops = 4 * B * n * T * T * h * 3.5 / 2
     return {"impl": name, "seq_len": T, "ms": round(1e3 * s, 3), "tflops": round(flops / s / 1e12, 1),
             "temp_mib": round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 1)}
@@ -80,17 +71,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if without_gpu("attention_gpu", args.cpu):
         return 0
-    os.makedirs(args.out, exist_ok=True)
-    rows = []
-    for T in (int(t) for t in args.seq.split(",")):
-        for name, fn in _impls(T).items():
-            kw = dict(reps=1, heads=SMOKE) if args.cpu else {}
-            row = guarded(functools.partial(measure, name, fn, T, **kw), impl=name, seq_len=T)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            with open(os.path.join(args.out, "attention_gpu.json"), "w") as f:
-                json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows}, f,
-                          indent=1)
+    kw = dict(reps=1, heads=SMOKE) if args.cpu else {}
+    rows_to(os.path.join(args.out, "attention_gpu.json"),
+            ((dict(impl=name, seq_len=T), functools.partial(measure, name, fn, T, **kw))
+             for T in (int(t) for t in args.seq.split(",")) for name, fn in _impls(T).items()))
     return 0
 
 

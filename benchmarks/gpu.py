@@ -4,6 +4,7 @@ docs/benchmarks.md quotes, and where the time goes.
     PYTHONPATH=. python3 -m benchmarks.gpu --quick --out DIR     every model, at most ~5 minutes
     PYTHONPATH=. python3 -m benchmarks.gpu --only 1B --kernel xla  one model, XLA attention
     PYTHONPATH=. python3 -m benchmarks.gpu --only 1B --profile 1B  and a jax.profiler trace of 2 steps
+    PYTHONPATH=. python3 -m benchmarks.gpu --only MoE --compare-experts MoE   the MoE again, experts by the Pallas kernel
 
 Each model trains on one device (ParallelSpec(): no mesh axis above 1) in mixed
 precision (float32 master weights and AdamW, bf16 layers), on the generated corpus.
@@ -85,14 +86,15 @@ def _peak_gib() -> float | None:
     return None if peak is None else round(peak / 2**30, 2)
 
 
-def measure(name: str, *, steps: int, kernel: str = "auto", profile_dir: str | None = None) -> dict:
+def measure(name: str, *, steps: int, kernel: str = "auto", experts: str = "auto",
+            profile_dir: str | None = None) -> dict:
     """One model's row: build, compile, two warm-up steps, `steps` timed steps."""
     cfg, batch_size, seq_len, recompute = MODELS[name]
     spec = ParallelSpec(recompute=recompute)
     start = time.perf_counter()
     trainer = Trainer(cfg, spec, OptimConfig(lr=3e-4, warmup=10, steps=1000), batch_size=batch_size,
                       seq_len=seq_len, devices=jax.devices()[:1], compute_dtype=jnp.bfloat16,
-                      attention_kernel=kernel)
+                      attention_kernel=kernel, expert_kernel=experts)
     compiled = trainer.compiled
     compile_s = time.perf_counter() - start
     state = trainer.init()
@@ -118,7 +120,8 @@ def measure(name: str, *, steps: int, kernel: str = "auto", profile_dir: str | N
     footprint = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes \
         - mem.alias_size_in_bytes
     return {"model": name, "batch_size": batch_size, "seq_len": seq_len, "recompute": recompute,
-            "attention": trainer.kernel, "compile_s": round(compile_s, 1), "ms_per_step": round(1e3 * step_s, 2),
+            "attention": trainer.kernel, "experts": trainer.expert_matmuls if cfg.n_experts else None,
+            "compile_s": round(compile_s, 1), "ms_per_step": round(1e3 * step_s, 2),
             "tokens_per_s": round(tokens_s), "tflops": round(flops / 1e12, 1),
             "mfu": throughput.mfu(tokens_s, cfg, seq_len, 1, jax.devices()[0].device_kind, jnp.bfloat16),
             "params": int(sum(np.prod(a.shape) for a in jax.tree.leaves(trainer.shapes))),
@@ -132,7 +135,8 @@ def _row_line(r: dict) -> str:
     if "error" in r:
         return f"{r['model']:<16} FAILED: {r['error'][:160]}"
     mfu = throughput.format_mfu(r["mfu"])
-    return (f"{r['model']:<16} {r['attention']:<6} B{r['batch_size']:<3} T{r['seq_len']:<6} {r['ms_per_step']:>8.1f} ms "
+    experts = f" experts {r['experts']}" if r.get("experts") else ""
+    return (f"{r['model']:<16} {r['attention']:<6}{experts} B{r['batch_size']:<3} T{r['seq_len']:<6} {r['ms_per_step']:>8.1f} ms "
             f"{r['tokens_per_s']:>9} tok/s {r['tflops']:>6.1f} TFLOP/s MFU {mfu:>6} "
             f"footprint {r['footprint_gib']:.1f} GiB compile {r['compile_s']:.0f}s")
 
@@ -144,6 +148,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="timed steps per model (default 20; --quick 8)")
     p.add_argument("--kernel", default="auto", help="attention kernel: auto, xla or cudnn")
     p.add_argument("--compare-xla", default="", help="models to run again with --kernel xla, comma-separated")
+    p.add_argument("--expert-kernel", default="auto", help="the MoE's grouped matmuls: auto, xla or pallas")
+    p.add_argument("--compare-experts", default="",
+                   help="MoE models to run again with --expert-kernel pallas, comma-separated")
     p.add_argument("--profile", default="", help="models to trace (2 steps, jax.profiler) into DIR/trace-NAME")
     p.add_argument("--out", default="gpu-bench", help="folder of gpu.json")
     p.add_argument("--cpu", action="store_true", help="run on CPU anyway (tiny steps count; a smoke test)")
@@ -157,11 +164,14 @@ def main(argv=None) -> int:
     steps = args.steps or (QUICK_STEPS if args.quick else 20)
     os.makedirs(args.out, exist_ok=True)
     report = {"facts": device_facts(), "rows": []}
-    runs = [(n, args.kernel) for n in names] + [(n, "xla") for n in filter(None, args.compare_xla.split(","))]
-    for name, kernel in runs:
-        prof = os.path.join(args.out, f"trace-{name}") if name in args.profile.split(",") and kernel != "xla" else None
-        row = guarded(functools.partial(measure, name, steps=steps, kernel=kernel, profile_dir=prof), model=name,
-                      attention=kernel)
+    runs = [(n, args.kernel, args.expert_kernel) for n in names] \
+        + [(n, "xla", args.expert_kernel) for n in filter(None, args.compare_xla.split(","))] \
+        + [(n, args.kernel, "pallas") for n in filter(None, args.compare_experts.split(","))]
+    for name, kernel, experts in runs:
+        first = (kernel, experts) == (args.kernel, args.expert_kernel)
+        prof = os.path.join(args.out, f"trace-{name}") if name in args.profile.split(",") and first else None
+        row = guarded(functools.partial(measure, name, steps=steps, kernel=kernel, experts=experts,
+                                        profile_dir=prof), model=name, attention=kernel, experts=experts)
         report["rows"].append(row)
         print(_row_line(row), flush=True)
         with open(os.path.join(args.out, "gpu.json"), "w") as f:

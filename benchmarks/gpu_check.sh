@@ -4,9 +4,9 @@
 # the repository root on the GPU machine, with its own python3 (jax, flax, optax, orbax,
 # torch installed) and jaxpar from the source tree:
 #
-#   JAXPAR_COMMIT=$(git rev-parse --short HEAD) benchmarks/gpu_check.sh [tour] [checks] [tests] [bench] [torch]
+#   JAXPAR_COMMIT=$(git rev-parse --short HEAD) benchmarks/gpu_check.sh [tour] [checks] [tests] [attention] [expert] [bench] [torch]
 #
-# With no argument tour, tests, attention, bench and torch run, one after the other. `tour` is
+# With no argument tour, tests, attention, expert, bench and torch run, one after the other. `tour` is
 # `python -m jaxpar tour` in one call (TOUR_S seconds at most), its exit status last in
 # $OUT/tour.txt; `checks` runs the same checks as `jaxpar verify NAME` one by one (CHECK_S
 # seconds each), appending to $OUT/checks.txt, so a call cut short keeps what finished. The
@@ -17,7 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-parts=${*:-tour tests attention bench torch}
+parts=${*:-tour tests attention expert bench torch}
 has() { [[ " $parts " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
@@ -38,11 +38,14 @@ if has checks; then    # check by check, appended to one file: a run cut short k
 fi
 if has tests; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false JAXPAR_TEST_PLATFORM=gpu timeout ${TESTS_S:-240} \
-      python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_flash.py tests/kernels/test_attention.py tests/gpu > "$OUT/tests.txt" 2>&1
+      python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_flash.py tests/kernels/test_grouped.py tests/kernels/test_attention.py tests/gpu > "$OUT/tests.txt" 2>&1
   echo "tests exit $?" >> "$OUT/tests.txt"; tail -25 "$OUT/tests.txt"
 fi
 if has attention; then  # the attention implementations, forward + backward (fused kernels against XLA)
   timeout ${ATTN_S:-90} python3 -m benchmarks.attention_gpu --out "$OUT" 2>&1 | grep -v "^W0000\|^I0000" | cut -c1-200
+fi
+if has expert; then     # one MoE layer, forward + backward (the grouped kernel against XLA's grouped and padded)
+  timeout ${EXPERT_S:-90} python3 -m benchmarks.expert_gpu --out "$OUT" 2>&1 | grep -v "^W0000\|^I0000" | cut -c1-200
 fi
 if has bench; then
   timeout ${BENCH_S:-200} python3 -m benchmarks.gpu --quick --out "$OUT" ${BENCH_ARGS:-} 2>&1 | grep -v "^W0000\|^I0000" | cut -c1-200

@@ -1,6 +1,7 @@
 """benchmarks.gpu on CPU: it says why it skips where there is no GPU, and with --cpu its
 rows (a tiny model in place of the GPU sizes) carry every figure the GPU run quotes."""
 
+import dataclasses
 import json
 
 import pytest
@@ -31,3 +32,16 @@ def test_a_cpu_run_writes_every_figure(tmp_path, monkeypatch):
 def test_an_unknown_model_is_refused():
     with pytest.raises(ValueError, match="models are"):
         gpu.main(["--cpu", "--only", "2B"])
+
+
+def test_compare_experts_runs_the_moe_again_through_the_kernel(tmp_path, monkeypatch):
+    """--compare-experts: a second row of the MoE with expert_kernel="pallas", which on CPU
+    is a row saying why it cannot run (the kernel would run interpreted), not a crash."""
+    cfg, b, t, recompute = TINY
+    moe = (dataclasses.replace(cfg, n_experts=4, top_k=2), b, t, recompute)
+    monkeypatch.setitem(gpu.MODELS, "tinymoe", moe)
+    assert gpu.main(["--cpu", "--only", "tinymoe", "--steps", "1", "--compare-experts", "tinymoe",
+                     "--out", str(tmp_path)]) == 0
+    first, again = json.loads((tmp_path / "gpu.json").read_text())["rows"]
+    assert first["experts"] == "xla" and again["experts"] == "pallas"
+    assert "interpreter" in again["error"]

@@ -87,7 +87,13 @@ EXPECTED = {
                                "ConfigError: attention_kernel='cudnn' cannot run here: dtype float32",
                                "dV: |xla - reference| / |reference| = 0.0e+00", "the flash model's statistics",
                                "bfloat16 layers on cpu: xla attention (T x T scores; a ring's blocks key chunk by key chunk)",
-                               "gpu bfloat16 auto -> xla, pallas -> pallas", "zigzag, float32: max |ring - reference| = "]
+                               "gpu bfloat16 auto -> xla, pallas -> pallas", "zigzag, float32: max |ring - reference| = "],
+    "13_expert_kernel.py": ["grouped, XLA blocks of 2048    at most  47104 rows = 1.44 t*k",
+                            "grouped, kernel tiles of 128   at most  33664 rows = 1.03 t*k",
+                            (re.compile(r"^  (out|drouter|dw_down|dw_gate|dw_up|dx) +\|kernel - reference\| / "
+                                        r"\|reference\| = \d\.\de-0[6-9]$", re.M), 6),
+                            "gpu tp=1 ep=1 pallas -> grouped, pallas kernel (128-row tiles, weights read in place)",
+                            "ConfigError: expert_kernel='pallas' cannot run here: the kernel runs the grouped experts"]
 }
 
 

@@ -218,6 +218,23 @@ def _grouped_bwd(interpret, res, dy):
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
+def _check(h, w, t: Tiles) -> None:
+    """Refuse operands the kernel cannot take, before anything compiles."""
+    M, K = errors.array("h", h, ndim=2, kinds="f", shape_doc="h[rows, K]")
+    E, K_w, N = errors.array("w", w, ndim=3, kinds="f", shape_doc="w[experts, K, N]")
+    if K_w != K or h.dtype != w.dtype:
+        raise ConfigError(f"h {h.dtype}{[M, K]} and w {w.dtype}{[E, K_w, N]}: the kernel multiplies h [rows, K] by "
+                          "w [E, K, N] of one dtype. Fix: promote both to one dtype, with w's K h's")
+    if M % TILE_ROWS:
+        raise ConfigError(f"h has {M} rows: the kernel runs whole tiles of TILE_ROWS={TILE_ROWS}. Fix: pad the "
+                          f"rows to a multiple of {TILE_ROWS} (expert.grouped.block_slots with block={TILE_ROWS})")
+    if not isinstance(t, Tiles) or tuple(t.expert.shape) != (M // TILE_ROWS,) or tuple(t.count.shape) != (E,):
+        raise ConfigError(f"tiles={t!r:.120}: give tiles(sizes [E={E}], n_tiles={M // TILE_ROWS})")
+    refusal = fits(k=K, n=N)
+    if refusal:
+        raise ConfigError(refusal)
+
+
 def grouped_matmul(h, w, t: Tiles, *, interpret: bool = False):
     """Each TILE_ROWS-row tile of h [M, K] times its expert's matrix w[t.expert[tile]]
     ([E, K, N]) -> [M, N]; h and w of one dtype (the caller promotes), M a multiple of
@@ -226,6 +243,7 @@ def grouped_matmul(h, w, t: Tiles, *, interpret: bool = False):
     Inside shard_map every operand is first typed varying over every axis any of them
     varies over, as an einsum's implicit pvary would: the kernel's gradient of an
     invariant w is then summed over those axes by pvary's transpose, as XLA's would be."""
+    _check(h, w, t)
     axes = sorted(set().union(*map(varying_axes, (h, w, *t))))
     h, w, t = varying((h, w, t), axes)
     return _grouped(h, w, t, interpret)

@@ -275,3 +275,22 @@ def test_the_trainers_step_with_the_kernel_traces_under_shard_maps_type_check(mo
     assert trainer.expert_matmuls == "pallas"
     traced = trainer._step.trace(*trainer.abstract_inputs())
     assert str(traced.jaxpr).count("pallas_call") >= 6
+
+
+@pytest.mark.parametrize("shapes, says", [
+    (((256, 32), (4, 32, 48), 2), None),
+    (((200, 32), (4, 32, 48), 2), "200 rows.*multiple of 128"),
+    (((256, 32), (4, 24, 48), 2), "w's K h's"),
+    (((256, 32), (4, 32, 40), 2), "N .*=40"),
+    (((256, 32), (4, 32, 48), 3), "n_tiles=2"),
+    (((256,), (4, 32, 48), 2), "rank 2"),
+    (((256, 32), (4, 32, 48), 2, jnp.bfloat16), "one dtype")])
+def test_the_kernel_refuses_operands_it_cannot_take(shapes, says):
+    (hs, ws, n_tiles), dtype = shapes[:3], (shapes[3] if len(shapes) > 3 else jnp.float32)
+    h, w = jnp.zeros(hs, jnp.float32), jnp.zeros(ws, dtype)
+    t = grouped.tiles(jnp.array([100, 0, 20, 10]), n_tiles)
+    if says is None:
+        assert grouped.grouped_matmul(h, w, t, interpret=True).shape == (256, 48)
+        return
+    with pytest.raises(ConfigError, match=says):
+        grouped.grouped_matmul(h, w, t, interpret=True)

@@ -47,8 +47,8 @@ from jaxpar.expert.formulas import capacity
 from jaxpar.expert.grouped import KERNELS, grouped_moe
 from jaxpar.expert.router import check_route, check_top_k, expert_load, select_experts
 from jaxpar.errors import ConfigError
+from jaxpar.kernels import flash
 from jaxpar.kernels import grouped as grouped_kernel
-from jaxpar.kernels.flash import interpret_here
 from jaxpar.mesh import DP, EP
 
 DROPS = ("position", "probability")
@@ -196,7 +196,7 @@ def check_kernel(options: MoEOptions, ep: int, *, d_model: int, d_ff: int) -> No
 def interpreted(options: MoEOptions) -> bool:
     """Whether the layer runs a Pallas kernel in Pallas' interpreter (off a GPU), which
     cannot run inside a shard_map checking varying axes: its loops lose them (jax 0.10)."""
-    return options.kernel == "pallas" and interpret_here()
+    return options.kernel == "pallas" and flash.interpret_here()
 
 
 def dispatch_and_combine(p: dict, x, *, axis, options: MoEOptions, bias, routing):

@@ -24,7 +24,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.kernels import attention as kernel
 from jaxpar.kernels import flash
 from jaxpar.testing import assert_close, precision_policy, tolerance
-from jaxpar.train import ParallelSpec, recipe
+from jaxpar.train import ParallelSpec, Trainer, recipe
 from tests.kernels import training
 
 GPU = jax.default_backend() == "gpu"
@@ -220,3 +220,18 @@ def test_the_trainer_through_the_kernel_on_a_gpu_follows_the_xla_attention():
     runs = {name: training.losses(cfg, tokens, attention_kernel=name) for name in ("pallas", "xla")}
     assert [trainer.kernel for _, trainer in runs.values()] == ["pallas", "xla"]
     np.testing.assert_allclose(runs["pallas"][0], runs["xla"][0], rtol=tolerance(jnp.bfloat16)[0])
+
+
+def test_the_trainers_step_with_ring_blocks_through_the_kernel_lowers_for_a_gpu(monkeypatch):
+    """The whole bf16 training step at dp 2 x cp 2 (zigzag), every ring block through the
+    Pallas kernel, lowered for CUDA from this machine (cross-platform lowering: Pallas
+    emits the Triton kernels, nothing runs) inside the trainer's shard_map, which checks
+    varying types: the block's forward, and dK/dV and dQ of its backward, as Triton kernels."""
+    monkeypatch.setattr(recipe, "choose_kernel", lambda *a, **k: "pallas")
+    monkeypatch.setattr(flash, "interpret_here", lambda: False)
+    cfg = reference.ModelConfig(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128, vocab=64, n_layers=2)
+    spec = ParallelSpec(dp=2, cp=2, layout="zigzag")
+    trainer = Trainer(cfg, spec, batch_size=4, seq_len=128, devices=jax.devices()[:4], compute_dtype=jnp.bfloat16)
+    text = trainer._step.trace(*trainer.abstract_inputs()).lower(lowering_platforms=("cuda",)).as_text()
+    for name in ("jaxpar_block_forward", "jaxpar_block_dkv", "jaxpar_block_dq"):
+        assert f'name = "{name}"' in text, name

@@ -20,9 +20,8 @@ from jaxpar import mesh as mesh_lib
 from jaxpar import reference
 from jaxpar.errors import ConfigError
 from jaxpar.expert import dispatch
-from jaxpar.expert import grouped as expert_grouped
 from jaxpar.expert.verify import moe_inputs
-from jaxpar.kernels import grouped
+from jaxpar.kernels import flash, grouped
 from jaxpar.testing import assert_close, max_abs_diff, precision_policy, tolerance
 from jaxpar.train import ParallelSpec, Trainer, recipe
 from tests.kernels import training
@@ -170,6 +169,28 @@ def test_ep_moe_with_the_kernel_over_dp(dp):
         assert_close((y, vjp(dy)), (y_ref, vjp_ref(dy)))
 
 
+TRITON = "__gpu$xla.gpu.triton"        # the custom call a Pallas kernel lowers to on NVIDIA GPUs
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_the_kernels_lower_to_triton_at_the_benchmarks_moe(dtype):
+    """Forward, dh and dW at the GPU benchmark's MoE (t*k = 32768 rows, d_model 1024, d_ff
+    2816), lowered for CUDA from this machine: three Triton kernels, Pallas' checks of
+    their tiles (powers of two, in bounds) passed; each grid is what the kernel's
+    docstring says, one program per (row tile, column block) and per (expert, dW block)."""
+    n_tiles = (32768 + 8 * (R - 1)) // R
+    t = grouped.tiles(jnp.full((8,), 4096), n_tiles)
+
+    def step(h, w):
+        y, vjp = jax.vjp(lambda h, w: grouped.grouped_matmul(h, w, t), h, w)
+        return y, vjp(y)
+    h, w = jax.ShapeDtypeStruct((n_tiles * R, 1024), dtype), jax.ShapeDtypeStruct((8, 1024, 2816), dtype)
+    text = jax.jit(step).trace(h, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(TRITON) == 3
+    for grid in ((n_tiles, 2816 // 128, 1), (n_tiles, 1024 // 128, 1), (8, 1024 // 128, 2816 // 128)):
+        assert "grid_x = %d : i32, grid_y = %d : i32, grid_z = %d : i32" % grid in text, grid
+
+
 def test_inside_shard_map_the_kernel_is_typed_as_an_einsum():
     """Traced (not run: the interpreter cannot hold varying types) inside a shard_map that
     checks them: tokens split over dp, w replicated. The gradient of w comes back
@@ -261,20 +282,22 @@ def compositions(draw):
 @settings(max_examples=5, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(compositions())
-def test_the_trainers_step_with_the_kernel_traces_under_shard_maps_type_check(monkeypatch, spec):
-    """The whole training step with expert_kernel="pallas", traced (not run: off a GPU the
-    kernel would run interpreted) inside the trainer's shard_map, which checks varying
-    types: the kernel's operands and gradients are typed as an einsum's, in every drawn
-    composition; the layer loop's body holds at least the 2 kernels of an MoE layer's
-    forward (GeLU's two matmuls) and the 4 of its backward (dh and dw of each)."""
+def test_the_trainers_step_with_the_kernel_lowers_for_a_gpu(monkeypatch, spec):
+    """The whole training step with expert_kernel="pallas", in bf16, lowered for CUDA from
+    this machine (cross-platform lowering: Pallas emits the Triton kernels, nothing runs)
+    inside the trainer's shard_map, which checks varying types: the kernel's operands and
+    gradients are typed as an einsum's in every drawn composition, and the layer loop's
+    body holds at least the 2 Triton kernels of an MoE layer's forward (GeLU's two
+    matmuls) and the 4 of its backward (dh and dW of each)."""
     monkeypatch.setattr(recipe, "choose_expert_kernel", lambda *a, **k: "pallas")
-    monkeypatch.setattr(expert_grouped, "interpret_here", lambda: False)
+    monkeypatch.setattr(flash, "interpret_here", lambda: False)
     cfg = reference.ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, vocab=64, n_layers=2,
                                 n_experts=4, top_k=2)
-    trainer = Trainer(cfg, spec, batch_size=4 * spec.dp, seq_len=16, devices=jax.devices()[:spec.devices])
+    trainer = Trainer(cfg, spec, batch_size=4 * spec.dp, seq_len=16, devices=jax.devices()[:spec.devices],
+                      compute_dtype=jnp.bfloat16)
     assert trainer.expert_matmuls == "pallas"
-    traced = trainer._step.trace(*trainer.abstract_inputs())
-    assert str(traced.jaxpr).count("pallas_call") >= 6
+    lowered = trainer._step.trace(*trainer.abstract_inputs()).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count(TRITON) >= 6
 
 
 @pytest.mark.parametrize("shapes, says", [

@@ -114,9 +114,10 @@ class MoERun(Run):
 
 
 def run_moe(cfg: reference.ModelConfig, mesh, *, batch_size: int, seq_len: int = 8, capacity_factor=None,
-            drop: str = "position", skew: float = 0.0, dtype=jnp.float32, seed: int = 0) -> MoERun:
+            drop: str = "position", skew: float = 0.0, dtype=jnp.float32, seed: int = 0, kernel: str = "xla") -> MoERun:
     p, x, dy = moe_inputs(cfg, batch_size, seq_len, skew=skew, dtype=dtype, seed=seed)
-    step = jax.jit(lambda p, x: ep_moe(p, x, mesh=mesh, cfg=cfg, capacity_factor=capacity_factor, drop=drop))
+    step = jax.jit(lambda p, x: ep_moe(p, x, mesh=mesh, cfg=cfg, capacity_factor=capacity_factor, drop=drop,
+                                       kernel=kernel))
     forward = step.lower(p, x).compile()          # y and the stats: the stats add no collective
     y, stats = forward(p, x)
     _, vjp = jax.vjp(lambda p, x: step(p, x)[0], p, x)
@@ -152,14 +153,19 @@ def default_mesh() -> tuple[jax.sharding.Mesh, str]:
 CFG = reference.ModelConfig(n_layers=1, d_model=16, d_ff=32, n_experts=8, top_k=2)
 
 
-def check_moe(capacity_factor=None, drop: str = "position") -> Result:
+def check_moe(capacity_factor=None, drop: str = "position", kernel: str = "xla") -> Result:
+    """One tour row: ep_moe on the default mesh against the reference (with the same
+    drops), collectives against their formula. kernel="pallas" (the grouped experts
+    through kernels.grouped) runs on dp alone, since the grouped path needs every expert
+    on the device (ep = 1); off a GPU it runs interpreted, tile by tile."""
     start = time.perf_counter()
-    m, mesh_note = default_mesh()
+    m, mesh_note = default_mesh() if kernel == "xla" else (mesh_lib.make_mesh(dp=len(jax.devices()), ep=1), "")
     B = 2 * mesh_lib.axis_size(m, DP) * mesh_lib.axis_size(m, EP)
-    run = run_moe(CFG, m, batch_size=B, capacity_factor=capacity_factor, drop=drop, skew=1.0)
+    run = run_moe(CFG, m, batch_size=B, capacity_factor=capacity_factor, drop=drop, skew=1.0, kernel=kernel)
     errors, rule, within = run.compared
     dropless = capacity_factor is None
     name = "MoE, dropless" if dropless else f"MoE, capacity {capacity_factor} (drop by {drop})"
+    name += ", grouped experts by the Pallas kernel" if kernel == "pallas" else ""
     ok = (within and run.collectives_match and run.stats.capacity == run.capacity
           and (not dropless or run.stats.drop_rate == 0.0))
     return Result(name=name, mesh=mesh_lib.describe(m), errors=errors, tolerance=rule,
@@ -201,7 +207,9 @@ def check_imbalance() -> Result:
 
 
 def check_ep() -> list[Result]:
-    """`jaxpar verify ep`: dropless, capacity with both drop rules, the imbalance experiment."""
-    return [check_moe(), check_moe(1.25, "position"), check_moe(1.0, "probability"), check_imbalance()]
+    """`jaxpar verify ep`: dropless, capacity with both drop rules, the grouped experts
+    through the Pallas kernel, the imbalance experiment."""
+    return [check_moe(), check_moe(1.25, "position"), check_moe(1.0, "probability"), check_moe(kernel="pallas"),
+            check_imbalance()]
 
 

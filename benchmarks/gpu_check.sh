@@ -12,7 +12,7 @@
 # seconds each), appending to $OUT/checks.txt, so a call cut short keeps what finished. The
 # tests, the tour and the checks do not preallocate the GPU, so the tour can run beside the
 # benchmark. BENCH_ARGS adds to benchmarks.gpu's (e.g. --only 1B-T8192,1B-T32768-dots),
-# TORCH_ARGS to benchmarks.torch_peer's (e.g. --size 1B).
+# TORCH_ARGS to benchmarks.torch_peer's (e.g. --size 1B), TESTS replaces the test files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -38,7 +38,7 @@ if has checks; then    # check by check, appended to one file: a run cut short k
 fi
 if has tests; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false JAXPAR_TEST_PLATFORM=gpu timeout ${TESTS_S:-240} \
-      python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_flash.py tests/kernels/test_grouped.py tests/kernels/test_attention.py tests/gpu > "$OUT/tests.txt" 2>&1
+      python3 -m pytest -q -p no:cacheprovider -rs ${TESTS:-tests/kernels/test_flash.py tests/kernels/test_grouped.py tests/kernels/test_attention.py tests/gpu} > "$OUT/tests.txt" 2>&1
   echo "tests exit $?" >> "$OUT/tests.txt"; tail -25 "$OUT/tests.txt"
 fi
 if has attention; then  # the attention implementations, forward + backward (fused kernels against XLA)

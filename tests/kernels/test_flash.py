@@ -25,7 +25,7 @@ from jaxpar.kernels import attention as kernel
 from jaxpar.kernels import flash
 from jaxpar.testing import assert_close, precision_policy, tolerance
 from jaxpar.train import ParallelSpec, Trainer, recipe
-from tests.kernels import training
+from tests.kernels import needs_devices, training
 
 GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not GPU, reason="the Pallas kernel compiles through Triton on an NVIDIA GPU; this "
@@ -79,7 +79,8 @@ def _qkv(key, *, B=1, T=64, N=4, K=2, H=16, dtype=jnp.float32):
     return tuple(jax.random.normal(k_, s, jnp.float32).astype(dtype) for k_, s in zip((kq, kk, kv, kd), shapes))
 
 
-@pytest.mark.parametrize("cp, layout", [(1, "contiguous"), (2, "contiguous"), (2, "zigzag")])
+@pytest.mark.parametrize("cp, layout", [(1, "contiguous"), pytest.param(2, "contiguous", marks=needs_devices(2)),
+                                        pytest.param(2, "zigzag", marks=needs_devices(2))])
 def test_ring_attention_with_the_kernel_equals_the_reference(cp, layout):
     """Ring attention whose every block is the Pallas kernel: output, dq, dk, dv against
     reference.attention in float32 (GQA, causal; cp = 2 merges blocks from two ranks,
@@ -175,6 +176,7 @@ def test_the_ring_with_the_kernel_holds_no_score_matrix_on_a_gpu():
     assert temp < scores / 8, f"temp {temp} bytes: a T x T buffer ({scores} bytes) is being held"
 
 
+@needs_devices(4)
 def test_the_ring_through_the_kernel_moves_what_the_formula_says():
     """The kernel changes what computes a block, not what travels: ring attention at
     dp 2 x cp 2 (zigzag) with Pallas blocks, its compiled forward and backward
@@ -222,6 +224,7 @@ def test_the_trainer_through_the_kernel_on_a_gpu_follows_the_xla_attention():
     np.testing.assert_allclose(runs["pallas"][0], runs["xla"][0], rtol=tolerance(jnp.bfloat16)[0])
 
 
+@needs_devices(4)
 def test_the_trainers_step_with_ring_blocks_through_the_kernel_lowers_for_a_gpu(monkeypatch):
     """The whole bf16 training step at dp 2 x cp 2 (zigzag), every ring block through the
     Pallas kernel, lowered for CUDA from this machine (cross-platform lowering: Pallas

@@ -24,7 +24,7 @@ from jaxpar.expert.verify import moe_inputs
 from jaxpar.kernels import flash, grouped
 from jaxpar.testing import assert_close, max_abs_diff, precision_policy, tolerance
 from jaxpar.train import ParallelSpec, Trainer, recipe
-from tests.kernels import training
+from tests.kernels import needs_devices, training
 
 GPU = jax.default_backend() == "gpu"
 R = grouped.TILE_ROWS
@@ -155,7 +155,7 @@ def test_the_moe_layer_through_the_kernel_for_drawn_cases(case):
     assert_close(out, ref)
 
 
-@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("dp", [1, pytest.param(2, marks=needs_devices(2))])
 def test_ep_moe_with_the_kernel_over_dp(dp):
     """Through ep_moe's shard_map (dp = 2: each device its tokens, the experts' gradients
     summed over dp), against the reference."""
@@ -191,6 +191,7 @@ def test_the_kernels_lower_to_triton_at_the_benchmarks_moe(dtype):
         assert "grid_x = %d : i32, grid_y = %d : i32, grid_z = %d : i32" % grid in text, grid
 
 
+@needs_devices(2)
 def test_inside_shard_map_the_kernel_is_typed_as_an_einsum():
     """Traced (not run: the interpreter cannot hold varying types) inside a shard_map that
     checks them: tokens split over dp, w replicated. The gradient of w comes back
@@ -279,6 +280,7 @@ def compositions(draw):
                         recompute=draw(st.sampled_from(["none", "dots", "full"])))
 
 
+@needs_devices(8)
 @settings(max_examples=5, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(compositions())

@@ -63,10 +63,10 @@ def _oracle(h, w, dy, t):
     h, w, dy = (np.asarray(a, np.float64) for a in (h, w, dy))
     expert = np.repeat(np.asarray(t.expert), R)
     used = np.arange(h.shape[0]) < int(np.sum(t.count)) * R
-    y = np.einsum("mk,mkn->mn", h, w[expert]) * used[:, None]
-    dh = np.einsum("mn,mkn->mk", dy, w[expert]) * used[:, None]
-    dw = np.zeros_like(w)
-    np.add.at(dw, expert[used], np.einsum("mk,mn->mkn", h[used], dy[used]))
+    y, dh, dw = np.zeros((h.shape[0], w.shape[2])), np.zeros_like(h), np.zeros_like(w)
+    for e in range(w.shape[0]):
+        rows = used & (expert == e)
+        y[rows], dh[rows], dw[e] = h[rows] @ w[e], dy[rows] @ w[e].T, h[rows].T @ dy[rows]
     return y, dh, dw
 
 
@@ -252,7 +252,7 @@ def test_the_trainer_refuses_the_kernel_where_it_cannot_run(cfg, spec, platform,
 def test_bfloat16_on_a_gpu_follows_the_float32_definition():
     """bf16 inputs, float32 accumulation: each result within the bf16 rule of the float64
     definition of the same (bf16-rounded) inputs."""
-    (h, w, dy), t = _problem([4000, 0, 700, 3000, 129], 1024, 2816, jnp.bfloat16)
+    (h, w, dy), t = _problem([2000, 0, 700, 1200, 129], 1024, 2816, jnp.bfloat16)
     _within(_kernel(h, w, dy, t), _oracle(h, w, dy, t), tolerance(jnp.bfloat16)[0])
 
 

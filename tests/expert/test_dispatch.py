@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import mesh as mesh_lib
 from jaxpar import reference
 from jaxpar.expert import dispatch, formulas
-from jaxpar.expert.verify import imbalance_experiment, reference_capacity, run_moe
-from jaxpar.testing import assert_close, max_abs_diff
+from jaxpar.expert.verify import imbalance_experiment, moe_inputs, reference_capacity, run_moe
+from jaxpar.testing import assert_close, max_abs_diff, tolerance
 
 
 def cfg_for(E=8, k=2, mlp="gelu", F=32):
@@ -180,3 +180,23 @@ def test_sigmoid_router_with_selection_bias_matches_its_dense_reference():
     scores = jax.nn.sigmoid(x.reshape(32, 16) @ p["router"])
     top = lambda c: np.sort(np.argsort(-np.asarray(c), axis=-1)[:, :2], axis=-1)
     assert (top(scores) != top(scores + bias)).any()
+
+
+@pytest.mark.parametrize("dp, ep, grouped", [(2, 1, None), (2, 1, False), (1, 2, None), (2, 2, None)])
+def test_bfloat16_on_meshes_with_an_axis_of_one_device(dp, ep, grouped):
+    """bf16 weights and tokens, output and every gradient against reference.moe in float32
+    on the same (bf16-rounded) inputs, each within the bf16 rule of its largest entry.
+    Every mesh axis is manual in ep_moe's shard_map: with an axis of one device left
+    automatic, XLA:CPU (jax 0.10.2) aborted the process compiling the bf16 gradient's
+    all-reduce, whose reducer then carried a sharding annotation."""
+    cfg = reference.ModelConfig(n_layers=1, d_model=32, d_ff=64, n_experts=8, top_k=2)
+    p, x, dy = moe_inputs(cfg, 2 * dp * ep, 5, skew=1.0, dtype=jnp.bfloat16)
+    mesh = mesh_lib.make_mesh(dp=dp, ep=ep, devices=jax.devices()[:dp * ep])
+    y, vjp = jax.vjp(jax.jit(lambda p, x: dispatch.ep_moe(p, x, mesh=mesh, cfg=cfg, grouped=grouped)[0]), p, x)
+    wide = jax.tree.map(lambda a: a.astype(jnp.float32), (p, x, dy))
+    y_ref, vjp_ref = jax.vjp(lambda p, x: reference.moe(p, x, top_k=2), *wide[:2])
+    rtol = tolerance(jnp.bfloat16)[0]
+    for got, want in zip(jax.tree.leaves((y, vjp(dy))), jax.tree.leaves((y_ref, vjp_ref(wide[2])))):
+        assert got.dtype == jnp.bfloat16
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
+        assert err <= rtol * float(jnp.max(jnp.abs(want))), err

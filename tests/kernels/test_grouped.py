@@ -177,7 +177,8 @@ def test_the_kernels_lower_to_triton_at_the_benchmarks_moe(dtype):
     """Forward, dh and dW at the GPU benchmark's MoE (t*k = 32768 rows, d_model 1024, d_ff
     2816), lowered for CUDA from this machine: three Triton kernels, Pallas' checks of
     their tiles (powers of two, in bounds) passed; each grid is what the kernel's
-    docstring says, one program per (row tile, column block) and per (expert, dW block)."""
+    docstring says, column blocks first: one program per (column block, row tile) and
+    per (dW's N block, K block, expert)."""
     n_tiles = (32768 + 8 * (R - 1)) // R
     t = grouped.tiles(jnp.full((8,), 4096), n_tiles)
 
@@ -187,7 +188,7 @@ def test_the_kernels_lower_to_triton_at_the_benchmarks_moe(dtype):
     h, w = jax.ShapeDtypeStruct((n_tiles * R, 1024), dtype), jax.ShapeDtypeStruct((8, 1024, 2816), dtype)
     text = jax.jit(step).trace(h, w).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count(TRITON) == 3
-    for grid in ((n_tiles, 2816 // 128, 1), (n_tiles, 1024 // 128, 1), (8, 1024 // 128, 2816 // 128)):
+    for grid in ((2816 // 128, n_tiles, 1), (1024 // 128, n_tiles, 1), (2816 // 128, 1024 // 128, 8)):
         assert "grid_x = %d : i32, grid_y = %d : i32, grid_z = %d : i32" % grid in text, grid
 
 

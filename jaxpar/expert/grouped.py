@@ -72,9 +72,7 @@ def block_slots(experts, n_experts: int, block: int):
     ends = jnp.cumsum(runs)
     slot = (ends - runs)[experts] + rank.reshape(t, k)
     n_blocks = (t * k + E * (block - 1)) // block                                   # the most runs can fill
-    starts = jnp.arange(n_blocks, dtype=jnp.int32) * block
-    block_expert = jnp.minimum(jnp.sum(ends[None, :] <= starts[:, None], axis=1), E - 1).astype(jnp.int32)
-    return slot.astype(jnp.int32), block_expert, sizes
+    return slot.astype(jnp.int32), grouped_kernel.tiles(sizes, n_blocks, block).expert, sizes
 
 
 def block_matmul(h, w, block_expert):
@@ -116,7 +114,7 @@ def grouped_moe(p: dict, x, experts, weights, *, mlp: str, kernel: str = "xla"):
     # each row of x to its k slots (distinct): the transpose gathers, no scatter-add
     buf = jnp.zeros((rows, D), x.dtype).at[slot.reshape(-1)].set(jnp.repeat(x, k, axis=0), unique_indices=True)
     if kernel == "pallas":
-        tiles = grouped_kernel.tiles(sizes, block_expert.shape[0], b)
+        tiles = grouped_kernel.tiles(sizes, block_expert.shape[0])
         out = block_experts(p, buf, functools.partial(tile_matmul, tiles=tiles), mlp)        # [n_blocks * b, D]
     else:
         matmul = functools.partial(block_matmul, block_expert=block_expert)

@@ -109,7 +109,9 @@ class Tiles(NamedTuple):
 
 
 def tiles(sizes, n_tiles: int, rows: int = TILE_ROWS) -> Tiles:
-    """The tiles of runs of sizes[e] rows each, rounded up to whole tiles of `rows`."""
+    """The tiles of runs of sizes[e] rows each, rounded up to whole tiles of `rows` (the
+    kernel's are TILE_ROWS; expert.grouped.block_slots reads the blocks of its XLA path
+    the same way)."""
     sizes = jnp.asarray(sizes, jnp.int32)
     count = -(-sizes // rows)
     ends = jnp.cumsum(count)

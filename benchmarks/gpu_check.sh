@@ -6,7 +6,8 @@
 #
 #   JAXPAR_COMMIT=$(git rev-parse --short HEAD) benchmarks/gpu_check.sh [tour] [checks] [tests] [attention] [expert] [bench] [torch]
 #
-# With no argument tour, tests, attention, expert, bench and torch run, one after the other. `tour` is
+# With no argument tour, tests, attention, expert, bench and torch run, one after the other;
+# `pending` is what no GPU has run yet (tests, expert, and bench at 1B and the MoE both ways). `tour` is
 # `python -m jaxpar tour` in one call (TOUR_S seconds at most), its exit status last in
 # $OUT/tour.txt; `checks` runs the same checks as `jaxpar verify NAME` one by one (CHECK_S
 # seconds each), appending to $OUT/checks.txt, so a call cut short keeps what finished. The
@@ -18,6 +19,11 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 parts=${*:-tour tests attention expert bench torch}
+if [[ " $parts " == *" pending "* ]]; then   # what no GPU has run yet: the Pallas kernels' tests, the
+  # experts' kernel one layer at a time, the refactored trainer at 1B and the MoE both ways
+  parts="$parts tests expert bench"
+  BENCH_ARGS=${BENCH_ARGS:---only 1B,MoE --compare-experts MoE --steps 5}
+fi
 has() { [[ " $parts " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"

@@ -135,6 +135,15 @@ def describe(mesh: Mesh) -> str:
     return " ".join(f"{a}={s}" for a, s in mesh.shape.items())
 
 
+def without_unit_axes(mesh: Mesh) -> Mesh:
+    """`mesh` without its axes of one device: the same devices in the same order, so an
+    array laid out on one is laid out alike on the other. A shard_map over it has no
+    axis it leaves automatic and none of one device (make_mesh(dp=2, ep=1) -> dp=2)."""
+    keep = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1) or mesh.axis_names[:1]
+    return Mesh(mesh.devices.reshape([mesh.shape[a] for a in keep]), keep,
+                axis_types=(AxisType.Auto,) * len(keep))
+
+
 def axis_size(mesh: Mesh, name: str) -> int:
     """The size of axis `name` of `mesh`, 1 when the mesh has no such axis."""
     return int(mesh.shape.get(name, 1))

@@ -185,3 +185,12 @@ def test_fresh_process_xla_flags_count_wins():
     # The user's XLA_FLAGS count is kept (2), and asking again for 4 does not raise:
     # the flag still wins and the running backend has the count it names.
     assert out == {"got": 2, "n": 2, "late_same_ask": 2}
+
+
+def test_without_unit_axes_keeps_the_devices_in_order():
+    m = mesh.make_mesh(dp=2, ep=1, tp=2, devices=jax.devices()[:4])
+    sub = mesh.without_unit_axes(m)
+    assert dict(sub.shape) == {"dp": 2, "tp": 2}
+    assert list(sub.devices.flat) == list(m.devices.flat)
+    one = mesh.without_unit_axes(mesh.make_mesh(dp=1, ep=1, devices=jax.devices()[:1]))
+    assert dict(one.shape) == {"dp": 1}          # one device: one axis kept, so it is still a mesh

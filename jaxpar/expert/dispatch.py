@@ -301,9 +301,11 @@ class MoEStats:
 
 def manual_axes(mesh) -> tuple[str, ...]:
     """The axes ep_moe splits over: dp and ep, each when it has more than one device. Its
-    shard_map makes every axis of the mesh manual, these and any of one device: an axis
-    of one device left automatic put a sharding annotation in the gradient all-reduce's
-    reducer, and XLA:CPU (jax 0.10.2) aborted compiling it in bf16."""
+    shard_map runs on the mesh without the axes of one device (mesh.without_unit_axes),
+    every axis manual: an axis left automatic put a sharding annotation in the gradient
+    all-reduce's reducer, which XLA:CPU (jax 0.10.2) aborted compiling in bf16, and an
+    axis of one device made manual but named by no input adds all-reduces over groups
+    of one device."""
     return tuple(a for a in (DP, EP) if mesh_lib.axis_size(mesh, a) > 1)
 
 
@@ -363,8 +365,8 @@ def ep_moe(params: dict, x, *, mesh, cfg, capacity_factor=None, drop: str = "pos
 
     bias_pspec = None if bias is None else P()
     if manual_axes(mesh):
-        run = jax.shard_map(run, mesh=mesh, in_specs=(p_pspecs, x_pspec, bias_pspec),
-                            out_specs=(x_pspec, x_pspec, x_pspec),
+        run = jax.shard_map(run, mesh=mesh_lib.without_unit_axes(mesh),
+                            in_specs=(p_pspecs, x_pspec, bias_pspec), out_specs=(x_pspec, x_pspec, x_pspec),
                             check_vma=not interpreted(options))
     y, kept, dropped = run(p, x, bias)       # one device: nothing to split, no shard_map
     return y, MoEStats(kept, dropped, ep, C)

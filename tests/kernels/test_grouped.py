@@ -20,6 +20,7 @@ from jaxpar import mesh as mesh_lib
 from jaxpar import reference
 from jaxpar.errors import ConfigError
 from jaxpar.expert import dispatch
+from jaxpar.expert import verify as expert_verify
 from jaxpar.expert.verify import moe_inputs
 from jaxpar.kernels import flash, grouped
 from jaxpar.testing import assert_close, max_abs_diff, precision_policy, tolerance
@@ -155,18 +156,17 @@ def test_the_moe_layer_through_the_kernel_for_drawn_cases(case):
     assert_close(out, ref)
 
 
-@pytest.mark.parametrize("dp", [1, pytest.param(2, marks=needs_devices(2))])
+@pytest.mark.parametrize("dp", [1, pytest.param(2, marks=needs_devices(2)), pytest.param(4, marks=needs_devices(4))])
 def test_ep_moe_with_the_kernel_over_dp(dp):
-    """Through ep_moe's shard_map (dp = 2: each device its tokens, the experts' gradients
-    summed over dp), against the reference."""
+    """Through ep_moe's shard_map (dp > 1: each device its tokens, the experts' gradients
+    summed over dp), against the reference, and its compiled collectives against
+    formulas.ep_moe_collectives: one all-reduce of every weight's gradient, nothing more."""
     cfg = _cfg(4, 2, "gelu")
-    p, x, dy = moe_inputs(cfg, 4, 32, skew=1.0)
     mesh = mesh_lib.make_mesh(dp=dp, ep=1, devices=jax.devices()[:dp])
-    ours = jax.jit(lambda p, x: dispatch.ep_moe(p, x, mesh=mesh, cfg=cfg, kernel="pallas")[0])
     with precision_policy():
-        y, vjp = jax.vjp(ours, p, x)
-        y_ref, vjp_ref = jax.vjp(lambda p, x: reference.moe(p, x, top_k=2, mlp="gelu"), p, x)
-        assert_close((y, vjp(dy)), (y_ref, vjp_ref(dy)))
+        run = expert_verify.run_moe(cfg, mesh, batch_size=2 * dp, seq_len=32, skew=1.0, kernel="pallas")
+    assert run.compared[2], run.compared
+    assert run.collectives_match, (run.forward, run.backward, run.formula_forward, run.formula_backward)
 
 
 TRITON = "__gpu$xla.gpu.triton"        # the custom call a Pallas kernel lowers to on NVIDIA GPUs

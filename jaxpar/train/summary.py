@@ -59,18 +59,12 @@ def _weights(trainer, *, leave_out: tuple[str, ...] = ()) -> list:
 
 
 def _constant_gradients(trainer) -> tuple[str, ...]:
-    """The blocks' weights whose gradient XLA sees is a constant, and whose reduction it
-    therefore folds away: in the one-stage program (pp = 1, `pipeline.direct`) the router
-    bias's, a zero (the bias only chooses, `train.balance`), and the router's when it does
-    not learn (top-1 with renormalised gates, every gate the constant 1, and no balance
-    loss: `expert.formulas.router_learns`), zeros that nothing between the backward and
-    the reduction hides; in the pipeline they pass through the loop's gradient buffers and
-    are reduced as any weight's."""
-    if trainer.spec.pp > 1:
-        return ()
-    blocks = trainer.shapes["blocks"]
-    return tuple(name for name, constant in (("router_bias", True), ("router", not ep_formulas.router_learns(
-        trainer.cfg))) if constant and name in blocks)
+    """The blocks' weights whose gradient is a constant zero that XLA folds the reduction of
+    in the one-stage program (pp = 1; in a pipeline it passes the loop's buffers and is
+    reduced as any weight's): the router bias's (it only chooses, `train.balance`), and the
+    router's when it does not learn (`expert.formulas.router_learns`: top-1 renormalised)."""
+    zero = {"router_bias": True, "router": not ep_formulas.router_learns(trainer.cfg)}
+    return tuple(n for n in zero if zero[n] and n in trainer.shapes["blocks"]) if trainer.spec.pp == 1 else ()
 
 
 def expected_reductions(trainer) -> dict[int, float]:

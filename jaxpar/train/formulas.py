@@ -210,6 +210,8 @@ def stage_collectives(*, cfg, spec, batch_size: int, seq_len: int, dtype, runs: 
     (`_split_back`)."""
     if depth is None:
         depth = cfg.n_layers // (spec.pp * spec.resolved_chunks)
+    if spec.pp == 1:        # the one-stage program's backward is whole, whatever the schedule splits
+        runs = {**runs, "pipeline_W": 0}
     kw = dict(cfg=cfg, spec=spec, batch_size=batch_size, seq_len=seq_len, dtype=dtype)
     fwd, bwd = layer_collectives(**kw), layer_collectives(**kw, backward=True)
     # a split backward's W runs each layer's pullback as B does (dL/dW needs the output

@@ -95,3 +95,19 @@ def test_a_router_that_does_not_learn_is_not_reduced_at_one_stage(moe, spec, tra
     assert summary.matches(summary.collectives(trainer, trainer.compiled))
     folded = "router" in summary._constant_gradients(trainer)
     assert folded == (spec.pp == 1 and moe == dict(top_k=1))
+
+
+@pytest.mark.parametrize("spec", [ParallelSpec(dp=2, cp=2, schedule="zb-h1"),
+                                  ParallelSpec(dp=2, tp=2, schedule="zb-h2", sequence_parallel=True),
+                                  ParallelSpec(tp=2, cp=2, schedule="dualpipe-v", recompute="full")],
+                         ids=["dp2 cp2 zb-h1", "dp2 tp2 SP zb-h2", "tp2 cp2 dualpipe-v recompute"])
+def test_at_one_stage_a_split_backward_schedule_runs_one_whole_backward(spec, trainer_cache):
+    """pp = 1 runs the one-stage program whatever the schedule (pipeline.direct: one F and
+    one whole backward per microbatch), so a schedule that splits the backward into B and
+    W adds no second pullback's collectives to the formula (`jaxpar train` exited 1 on
+    dp2 x cp2 --schedule zb-h1: measured 12 CP, formula 24)."""
+    trainer = trainer_cache(verify.DENSE, spec, verify.OPTIM, batch_size=8, seq_len=16,
+                            devices=jax.devices()[:spec.devices])
+    c = summary.collectives(trainer, trainer.compiled)
+    assert c["stages"][0] == c["expected_stages"][0], (c["stages"][0], c["expected_stages"][0])
+    assert summary.matches(c)

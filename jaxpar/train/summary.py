@@ -4,22 +4,18 @@ the compiled step, and the collectives of one step.
     s = summarize(trainer, history, out="run/")     # dict; run/loss.png
     print(format_summary(s))
 
-Memory is XLA's `memory_analysis()` of the compiled step (per device: arguments, i.e.
-the weights and optimizer state this device holds, outputs, temporaries). Collectives
-are read from the compiled program (`comms`): the pipeline's sends exactly, from the
-plan's counts of each guarded send (`plan.runs()`), and compared with
-`pipeline.formulas.pipeline_collectives`; the reduction of the gradients, the global
-norm and the loss run once per step, outside the pipeline loop, and their bytes equal
-the sum over the weights of each one's local bytes, per group of devices it is summed
-over (XLA may fuse them into fewer instructions, so bytes, not counts, are compared);
-the collectives inside the stages (TP, SP, CP, EP) run in the branches of the
-schedule's loop, each branch under a named scope whose runs per pp rank the plan knows
-(`Plan.lane_runs`): counted exactly per rank, and equal to the techniques' formulas
-summed at the sizes one device sees (`train.formulas.stage_collectives`: TP/SP, the
-ring or Ulysses over cp, the MoE's all-to-alls over ep and its router under tp). With one
-stage (pp = 1, `pipeline.direct`) the stage's collectives are those under its scope, each
-as often as it runs, every combined all-reduce split back into its psums: equal to the
-formulas' count of the one-stage program, in count and bytes as well.
+Memory is XLA's `memory_analysis()` of the compiled step (per device: arguments, i.e. the
+weights and optimizer state it holds, outputs, temporaries). Collectives are read from the
+compiled program (`comms`): the pipeline's sends exactly, from the plan's counts of each
+guarded send (`plan.runs()`), against `pipeline.formulas.pipeline_collectives`; the
+gradients' reduction, the global norm and the loss, once per step outside the pipeline
+loop, in bytes (XLA may fuse them), each weight's local bytes per group it is summed over;
+the collectives inside the stages (TP, SP, CP, EP), run in the schedule's branches under
+named scopes whose runs per pp rank the plan knows (`Plan.lane_runs`), counted exactly
+per rank against the techniques' formulas at one device's sizes
+(`train.formulas.stage_collectives`). With one stage (pp = 1, `pipeline.direct`) those
+under its scope, as often as each runs, every combined all-reduce split back into its
+psums: the formulas' count of the one-stage program, in count and bytes as well.
 """
 
 from __future__ import annotations
@@ -58,13 +54,16 @@ def _weights(trainer, *, leave_out: tuple[str, ...] = ()) -> list:
                              zero_dims=kept(kind, trainer.zero_dims[kind]))]
 
 
-def _constant_gradients(trainer) -> tuple[str, ...]:
-    """The blocks' weights whose gradient is a constant zero that XLA folds the reduction of
-    in the one-stage program (pp = 1; in a pipeline it passes the loop's buffers and is
-    reduced as any weight's): the router bias's (it only chooses, `train.balance`), and the
-    router's when it does not learn (`expert.formulas.router_learns`: top-1 renormalised)."""
-    zero = {"router_bias": True, "router": not ep_formulas.router_learns(trainer.cfg)}
-    return tuple(n for n in zero if zero[n] and n in trainer.shapes["blocks"]) if trainer.spec.pp == 1 else ()
+def _constant_gradients(trainer, *, zero_sharded: bool = False) -> tuple[str, ...]:
+    """The blocks' weights with a constant zero gradient at pp = 1 (in a pipeline it passes
+    the loop's buffers, reduced as any weight's): the router bias (it only chooses) and a
+    router that does not learn (`expert.formulas.router_learns`). XLA folds its all-reduce
+    and its norm's scalar; of one ZeRO splits over dp (zero_sharded=True) it folds the
+    reduce-scatter, while the norm's scalar over dp stays."""
+    spec, zero = trainer.spec, {"router_bias": True, "router": not ep_formulas.router_learns(trainer.cfg)}
+    names = [n for n in zero if zero[n] and n in trainer.shapes["blocks"]] if spec.pp == 1 else []
+    split = lambda n: spec.zero > 0 and spec.dp > 1 and trainer.zero_dims["blocks"][n] >= 0
+    return tuple(n for n in names if split(n) == zero_sharded)
 
 
 def expected_reductions(trainer) -> dict[int, float]:
@@ -105,7 +104,9 @@ def expected_zero(trainer) -> dict[str, float]:
     ranks (one device each)."""
     if trainer.spec.zero == 3:
         return _sum_ranks(expected_zero3_by_rank(trainer))
-    return data_formulas.zero_bytes(_weights(trainer), dp=trainer.spec.dp)
+    scattered = _weights(trainer, leave_out=_constant_gradients(trainer, zero_sharded=True))
+    return {"reduce-scatter": data_formulas.zero_bytes(scattered, dp=trainer.spec.dp)["reduce-scatter"],
+            "all-gather": data_formulas.zero_bytes(_weights(trainer), dp=trainer.spec.dp)["all-gather"]}
 
 
 def _sum_ranks(by_rank: dict) -> dict[str, float]:
@@ -159,8 +160,10 @@ def expected_zero3_by_rank(trainer) -> dict[int, dict[str, float]]:
     # weights once more (its pullback then gathers again those it reads itself)
     rerun = 1 if spec.recompute == "full" else 0
     if spec.pp == 1:
-        m = plan.schedule.microbatches
-        return {0: total(*(bytes_of(k, 1, m, m) for k in kinds), bytes_of("blocks", rerun * m, 0, 0))}
+        m, folded = plan.schedule.microbatches, _constant_gradients(trainer, zero_sharded=True)
+        kinds["folded"] = [w for n, w in zip(sorted(trainer.shapes["blocks"]), kinds["blocks"]) if n in folded]
+        return {0: total(*(bytes_of(k, 1, m, m) for k in ("blocks", "first", "last")),
+                         bytes_of("blocks", rerun * m, 0, 0), bytes_of("folded", 0, 0, -m))}
     out = {}
     v = spec.resolved_chunks
     split = any(plan.lane_runs(d)["pipeline_W"] for d in range(spec.pp))
@@ -266,21 +269,18 @@ def collectives(trainer, compiled) -> dict:
     # the step's own: split back into the psums they were, each counted where it was
     # written (train.formulas counts them so)
     hlo = compiled.as_text()
-    # every branch of the pipeline's lane switch, each op counted by its own lane's runs:
-    # the heaviest branch per kind alone would hide W's collectives behind B's, and ZeRO-3's
-    # reduce-scatters sit in B (the embedding's) and in W (the layers')
+    # every branch of the lane switch, each op counted by its own lane's runs (the heaviest
+    # branch alone would hide W's behind B's; ZeRO-3 scatters in B and in W)
     ops = comms.resolve(comms.collective_ops_from_hlo(hlo, split_combined=trainer.spec.pp == 1, every_branch=True),
                         plan.runs())
-    # a collective over a group of one device (the vocab-parallel ops over tp = 1: XLA keeps
-    # them) moves nothing, and no formula counts it
+    # a collective over a group of one device (XLA keeps some) moves nothing: not counted
     ops = [o for o in ops if o.group_size > 1]
     once = [o for o in ops if not o.conditional and o.executions == 1 and direct.SCOPE not in o.scope]
     sends = comms.nonzero(comms.summarize([o for o in ops if "pipeline_send" in o.scope]))
     spec = trainer.spec
     act = (trainer.seq_len // spec.cp // (spec.tp if spec.sequence_parallel else 1)) * trainer.cfg.d_model
-    expected_sends = pipe_formulas.pipeline_collectives(
-        schedule=trainer.schedule, batch_size=trainer.batch_size, features=act, dtype=trainer.dtype,
-        dp=spec.dp * spec.ep) if spec.pp > 1 else comms.Collectives({})
+    expected_sends = pipe_formulas.pipeline_collectives(schedule=trainer.schedule, batch_size=trainer.batch_size,
+        features=act, dtype=trainer.dtype, dp=spec.dp * spec.ep) if spec.pp > 1 else comms.Collectives({})
     expected_sends = comms.Collectives({k: v for k, v in expected_sends.items() if k == "collective-permute"})
     reductions: dict[int, float] = {}
     for o in once:

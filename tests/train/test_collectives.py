@@ -83,18 +83,20 @@ def test_one_sp_layer_at_one_stage_runs_what_is_counted_by_hand():
 
 @pytest.mark.parametrize("moe", [dict(top_k=1), dict(top_k=1, aux_loss=0.01), dict(top_k=2)],
                          ids=["top-1 renormalised", "top-1 with the balance loss", "top-2"])
-@pytest.mark.parametrize("spec", [ParallelSpec(dp=2, ep=2), ParallelSpec(dp=2, pp=2, microbatches=2)],
-                         ids=["dp2 ep2", "dp2 pp2"])
+@pytest.mark.parametrize("spec", [ParallelSpec(dp=2, ep=2), ParallelSpec(dp=2, pp=2, microbatches=2),
+                                  ParallelSpec(dp=2, tp=2, zero=1), ParallelSpec(dp=2, tp=2, zero=3)],
+                         ids=["dp2 ep2", "dp2 pp2", "dp2 tp2 ZeRO-1", "dp2 tp2 ZeRO-3"])
 def test_a_router_that_does_not_learn_is_not_reduced_at_one_stage(moe, spec, trainer_cache):
     """Top-1 with renormalised gates and no balance loss: every gate is the constant 1, the
     router's gradient a constant zero, and in the one-stage program XLA folds its
-    all-reduce away (the formula leaves it out there); in the pipeline it is reduced as
-    any weight's. With top-2 or the balance loss the router learns and is reduced."""
+    all-reduce away, or under ZeRO its reduce-scatter, keeping the norm's scalar over dp
+    (the formula leaves out what is folded); in the pipeline it is reduced as any
+    weight's. With top-2 or the balance loss the router learns and is reduced."""
     cfg = reference.ModelConfig(**{**verify.DENSE.__dict__, "n_experts": 4, **moe})
     trainer = trainer_cache(cfg, spec, verify.OPTIM, batch_size=8, seq_len=16, devices=jax.devices()[:spec.devices])
     assert summary.matches(summary.collectives(trainer, trainer.compiled))
-    folded = "router" in summary._constant_gradients(trainer)
-    assert folded == (spec.pp == 1 and moe == dict(top_k=1))
+    folded = summary._constant_gradients(trainer) + summary._constant_gradients(trainer, zero_sharded=True)
+    assert ("router" in folded) == (spec.pp == 1 and moe == dict(top_k=1))
 
 
 @pytest.mark.parametrize("spec", [ParallelSpec(dp=2, cp=2, schedule="zb-h1"),

@@ -87,8 +87,7 @@ def configurations(draw, family: str = "any") -> Drawn:
     moe = family == "expert" or draw(st.booleans())
     sizes = _axes(draw, family, moe)
     dp, pp, tp, cp, ep = (sizes[a] for a in ("dp", "pp", "tp", "cp", "ep"))
-    name, chunks, m = _schedule(draw, family, pp) if pp > 1 else (
-        draw(st.sampled_from(["1f1b", "gpipe"])), None, draw(st.sampled_from([2, 1])))
+    name, chunks, m = _schedule(draw, family, pp)      # any schedule, pp = 1 too (the one-stage program)
     attention = draw(_options(family, ["ring", "ulysses"])) if cp > 1 else "ring"
     layout = draw(_options(family, ["zigzag", "contiguous"])) if cp > 1 else "contiguous"
     sp = draw(_options(family, [True, False])) if tp > 1 else False

@@ -81,11 +81,14 @@ def test_one_sp_layer_at_one_stage_runs_what_is_counted_by_hand():
     assert c["expected_stages"][0] == BY_HAND, c["expected_stages"][0]
 
 
-@pytest.mark.parametrize("moe", [dict(top_k=1), dict(top_k=1, aux_loss=0.01), dict(top_k=2)],
-                         ids=["top-1 renormalised", "top-1 with the balance loss", "top-2"])
-@pytest.mark.parametrize("spec", [ParallelSpec(dp=2, ep=2), ParallelSpec(dp=2, pp=2, microbatches=2),
-                                  ParallelSpec(dp=2, tp=2, zero=1), ParallelSpec(dp=2, tp=2, zero=3)],
-                         ids=["dp2 ep2", "dp2 pp2", "dp2 tp2 ZeRO-1", "dp2 tp2 ZeRO-3"])
+TOP1, DP2_EP2 = dict(top_k=1), ParallelSpec(dp=2, ep=2)
+
+
+@pytest.mark.parametrize("moe, spec", [
+    (TOP1, DP2_EP2), (TOP1, ParallelSpec(dp=2, pp=2, microbatches=2)), (TOP1, ParallelSpec(dp=2, tp=2, zero=1)),
+    (TOP1, ParallelSpec(dp=2, tp=2, zero=3)), (dict(top_k=1, aux_loss=0.01), DP2_EP2), (dict(top_k=2), DP2_EP2)],
+    ids=["top-1 dp2 ep2", "top-1 dp2 pp2", "top-1 dp2 tp2 ZeRO-1", "top-1 dp2 tp2 ZeRO-3",
+         "top-1 with the balance loss dp2 ep2", "top-2 dp2 ep2"])
 def test_a_router_that_does_not_learn_is_not_reduced_at_one_stage(moe, spec, trainer_cache):
     """Top-1 with renormalised gates and no balance loss: every gate is the constant 1, the
     router's gradient a constant zero, and in the one-stage program XLA folds its

@@ -188,7 +188,7 @@ def check_kernel(options: MoEOptions, ep: int, *, d_model: int, d_ff: int) -> No
         raise ConfigError(f"kernel='pallas' with capacity_factor={options.capacity_factor}, ep={ep}, "
                           f"grouped={options.grouped}: the kernel runs the grouped experts, which need dropless "
                           "(capacity_factor None) and ep = 1. Fix: kernel='xla'")
-    refusal = grouped_kernel.fits(k=d_model, n=d_ff) or grouped_kernel.fits(k=d_ff, n=d_model)
+    refusal = grouped_kernel.fits(k=d_model, n=d_ff)      # each width alone: the same for w_down's [F, D]
     if refusal:
         raise ConfigError(f"kernel='pallas': {refusal}. Fix: kernel='xla'")
 

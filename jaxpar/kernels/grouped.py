@@ -138,7 +138,10 @@ def _matmul_kernel(expert_ref, used_ref, h_ref, w_ref, o_ref, *, st: _Static):
     bm, bn = o_ref.shape
     bk = st.depth
     e = expert_ref[i]
-    steps = jnp.where(i < used_ref[0], h_ref.shape[1] // bk, 0)     # an empty tile: zeros
+    # an empty tile: no steps, zeros. Not jnp.where(pred, steps, 0): jax 0.10's Triton
+    # lowering of select_n types its Python-number operands as the predicate (i1), and the
+    # loop's bound then fails MLIR's verifier (tests.kernels.triton_modules)
+    steps = (i < used_ref[0]).astype(jnp.int32) * (h_ref.shape[1] // bk)
 
     def body(s, acc):
         a = h_ref[:, pl.ds(s * bk, bk)]

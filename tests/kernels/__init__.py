@@ -3,7 +3,8 @@ with JAXPAR_TEST_PLATFORM=gpu, where a test needing more devices than there are 
 
 import jax
 import pytest
-from jax._src.pallas.triton import pallas_call_registration as registration
+
+from jaxpar.kernels import triton_ir
 
 
 def needs_devices(n: int):
@@ -13,27 +14,7 @@ def needs_devices(n: int):
 
 
 def triton_modules(fn, *args) -> list[str]:
-    """Lower `fn` for CUDA from this machine (cross-platform lowering: Pallas emits its
-    Triton kernels, nothing runs) and run MLIR's verifier on each kernel's Triton module,
-    as XLA:GPU does before it compiles one. Pallas does not verify what it emits: a
-    module that fails here fails to compile on a GPU. Returns the modules' names."""
-    names, errors = [], []
-    lower = registration.lowering.lower_jaxpr_to_triton_module
-
-    def verified(*a, **k):
-        result = lower(*a, **k)
-        op = result.module.operation
-        names.append(op.attributes["sym_name"].value)
-        try:
-            op.verify()
-        except Exception as e:          # MLIR's verifier raises its own error type
-            errors.append(f"{names[-1]}: {str(e)[:2000]}")
-        return result
-    registration.lowering.lower_jaxpr_to_triton_module = verified
-    try:
-        jitted = fn if hasattr(fn, "trace") else jax.jit(fn)       # the trainer's step is jitted with its options
-        jitted.trace(*args).lower(lowering_platforms=("cuda",))
-    finally:
-        registration.lowering.lower_jaxpr_to_triton_module = lower
-    assert not errors, "\n".join(errors)
-    return names
+    """The names of the Triton modules `fn(*args)` lowers to for CUDA from this machine,
+    each passed by MLIR's verifier as XLA:GPU requires before compiling it
+    (kernels.triton_ir.modules: a module that fails it fails the test)."""
+    return [module.name for module in triton_ir.modules(fn, *args)]

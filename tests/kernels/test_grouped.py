@@ -22,7 +22,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.expert import dispatch
 from jaxpar.expert import verify as expert_verify
 from jaxpar.expert.verify import moe_inputs
-from jaxpar.kernels import flash, grouped
+from jaxpar.kernels import flash, grouped, triton_ir
 from jaxpar.testing import assert_close, max_abs_diff, precision_policy, tolerance
 from jaxpar.train import ParallelSpec, Trainer, recipe
 from tests.kernels import needs_devices, training, triton_modules
@@ -169,7 +169,7 @@ def test_ep_moe_with_the_kernel_over_dp(dp):
     assert run.collectives_match, (run.forward, run.backward, run.formula_forward, run.formula_backward)
 
 
-TRITON = "__gpu$xla.gpu.triton"        # the custom call a Pallas kernel lowers to on NVIDIA GPUs
+TRITON = triton_ir.TRITON_CALL
 
 
 def _forward_and_backward(t: grouped.Tiles):

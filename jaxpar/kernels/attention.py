@@ -2,7 +2,7 @@
 and of one block of a ring.
 
     choose(implementation, *, dtype, head_dim, platform) -> "cudnn" | "pallas" | "xla"
-    attention(q, k, v, *, causal, implementation)        q [B, T, N, H], k, v [B, T, K, H]
+    attention(q, k, v, *, causal, implementation)        q [B, T, N, H], k, v [B, S, K, H]
     choose_block(implementation, *, dtype, tq, tk, head_dim, platform) -> "pallas" | "xla"
 
 "cudnn" is cuDNN's flash attention (`jax.nn.dot_product_attention(implementation=
@@ -136,9 +136,26 @@ def describe(implementation: str) -> str:
 
 
 def attention(q, k, v, *, causal: bool = True, implementation: str = "auto"):
-    """Softmax attention of q [B, T, N, H] over k, v [B, T, K, H] (K divides N), 1/sqrt(H)
-    scaled, causal or not: [B, T, N, H] in q's dtype. implementation: see `choose`."""
-    impl = choose(implementation, dtype=q.dtype, head_dim=int(q.shape[-1]), seq_len=int(q.shape[1]))
+    """Softmax attention of q [B, T, N, H] over k, v [B, S, K, H] (K divides N), 1/sqrt(H)
+    scaled, causal or not: [B, T, N, H] in the inputs' promoted dtype (q's when they agree).
+    implementation: see `choose`.
+
+    Causal with S != T, the queries are the last T positions (reference.attention's mask,
+    aligned to the bottom right); cuDNN's and the Pallas kernel's causal masks align to the
+    top left, so there "auto" runs XLA and a kernel asked for by name is a ConfigError."""
+    _, T, _, H, S, _ = reference.attention_shapes(q, k, v, causal=causal)
+    dtype = jnp.result_type(q, k, v)          # mixed inputs: the kernels see what XLA's einsums would
+    q, k, v = (a.astype(dtype) for a in (q, k, v))
+    impl = choose(implementation, dtype=dtype, head_dim=H, seq_len=T)
+    if impl != "xla" and causal and S != T:
+        if implementation != "auto":
+            _refuse(implementation, f"causal attention of T={T} queries over S={S} keys: the kernel's mask "
+                    "aligns the queries with the first keys, the reference's with the last")
+        impl = "xla"
+    if impl == "pallas" and S != T:
+        refusal = pallas_refusal(dtype=dtype, tq=T, tk=S, head_dim=H)
+        if refusal:
+            _refuse(implementation, refusal)
     if impl == "xla":
         return reference.attention(q, k, v, causal=causal)
     if impl == "pallas":

@@ -35,13 +35,13 @@ here needs JAX, so a lazy import would save nothing.
 
 from jaxpar.reference.config import MAX_SIZE, ROUTERS, ModelConfig
 from jaxpar.reference.experts import balance_loss, moe, moe_and_routing, router_choice, router_weights
-from jaxpar.reference.layers import attention, attention_layer, mlp, rms_norm, rope, statistics_dtype
+from jaxpar.reference.layers import attention, attention_layer, attention_shapes, mlp, rms_norm, rope, statistics_dtype
 from jaxpar.reference.model import (block, block_and_balance, cast, cross_entropy, forward, forward_and_balance,
                                     init_params, layer_params, lm_head_loss, loss, loss_and_balance)
 
 __all__ = [
     "MAX_SIZE", "ROUTERS", "ModelConfig",
-    "attention", "attention_layer", "mlp", "rms_norm", "rope", "statistics_dtype",
+    "attention", "attention_layer", "attention_shapes", "mlp", "rms_norm", "rope", "statistics_dtype",
     "balance_loss", "moe", "moe_and_routing", "router_choice", "router_weights",
     "block", "block_and_balance", "cast", "cross_entropy", "forward", "forward_and_balance", "init_params",
     "layer_params", "lm_head_loss", "loss", "loss_and_balance",

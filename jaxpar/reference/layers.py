@@ -22,22 +22,34 @@ def rms_norm(x, gain, eps: float = 1e-6):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * gain
 
 
-def attention(q, k, v, *, causal: bool = True):
-    """Softmax attention. q: [B, T, N, H]; k, v: [B, S, K, H] with N a multiple of K
-    (grouped-query attention: query head n reads KV head n // (N/K)). Returns [B, T, N, H].
-
-    With causal=True, query t sees keys s <= t + (S - T) (queries are the last T positions).
-    """
+def attention_shapes(q, k, v, *, causal: bool) -> tuple[int, int, int, int, int, int]:
+    """(B, T, N, H, S, K) of attention's q [B, T, N, H] and k, v [B, S, K, H], or a
+    ConfigError naming what does not fit: ranks, float dtypes, empty axes, k and v of one
+    shape with q's batch and head_dim, N a multiple of K, and, when causal, no more
+    queries than keys (the first T - S queries would see no key)."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         errors.array(name, a, ndim=4, kinds="f", shape_doc=f"{name}[batch, seq, heads, head_dim]")
-    B, T, N, H = q.shape
-    S, K = k.shape[1], k.shape[2]
+    B, T, N, H = (int(d) for d in q.shape)
+    S, K = int(k.shape[1]), int(k.shape[2])
     if k.shape != v.shape or k.shape[0] != B or k.shape[3] != H:
         raise ConfigError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must have one "
                           f"shape [B={B}, S, K, H={H}], with q's batch and head_dim")
     if N % K:
         raise ConfigError(f"query heads N={N} must be a multiple of KV heads K={K}: each KV head serves N/K "
                           f"query heads. Fix: K in ({errors.divisors(N)})")
+    if causal and T > S:
+        raise ConfigError(f"causal attention of T={T} queries over S={S} keys: the queries are the last T "
+                          f"positions, so the first {T - S} would see no key. Fix: at most S queries, or causal=False")
+    return B, T, N, H, S, K
+
+
+def attention(q, k, v, *, causal: bool = True):
+    """Softmax attention. q: [B, T, N, H]; k, v: [B, S, K, H] with N a multiple of K
+    (grouped-query attention: query head n reads KV head n // (N/K)). Returns [B, T, N, H].
+
+    With causal=True, query t sees keys s <= t + (S - T) (queries are the last T positions).
+    """
+    B, T, N, H, S, K = attention_shapes(q, k, v, causal=causal)
     k = jnp.repeat(k, N // K, axis=2)
     v = jnp.repeat(v, N // K, axis=2)
     scores = jnp.einsum("btnh,bsnh->bnts", q, k)

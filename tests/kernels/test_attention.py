@@ -128,3 +128,57 @@ def test_a_shape_cudnn_refuses_as_it_traces_is_a_config_error(monkeypatch):
     (q, k, v), _ = _qkv(jax.random.key(0), T=16, H=12, dtype=jnp.bfloat16)
     with pytest.raises(ConfigError, match=r"q \(2, 16, 8, 12\).*multiple of 8.*attention_kernel='xla'"):
         kernel.attention(q, k, v, implementation="cudnn")
+
+
+_Z = lambda *shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype)
+BAD = [  # (q, k, v), what the ConfigError says
+    ((_Z(2, 16, 32), _Z(2, 16, 2, 16), _Z(2, 16, 2, 16)), "expected rank 4"),
+    ((_Z(1, 16, 3, 16), _Z(1, 16, 2, 16), _Z(1, 16, 2, 16)), "multiple of KV heads"),
+    ((_Z(1, 16, 4, 16), _Z(1, 16, 2, 8), _Z(1, 16, 2, 8)), "with q's batch and head_dim"),
+    ((_Z(1, 16, 4, 16), _Z(1, 16, 2, 16), _Z(1, 16, 2, 8)), "one shape"),
+    ((_Z(2, 16, 4, 16), _Z(1, 16, 2, 16), _Z(1, 16, 2, 16)), "one shape"),
+    ((_Z(1, 16, 4, 16, dtype=jnp.int32),) * 3, "must be floating point"),
+    ((_Z(0, 16, 4, 16), _Z(0, 16, 2, 16), _Z(0, 16, 2, 16)), "empty axis"),
+    ((_Z(1, 0, 4, 16), _Z(1, 0, 2, 16), _Z(1, 0, 2, 16)), "empty axis"),
+    ((_Z(1, 32, 4, 16), _Z(1, 16, 2, 16), _Z(1, 16, 2, 16)), "the first 16 would see no key"),
+    (([[1.0]], _Z(1, 16, 2, 16), _Z(1, 16, 2, 16)), "not an array"),
+]
+
+
+@pytest.mark.parametrize("implementation", ["auto", "xla", "pallas", "cudnn"])
+@pytest.mark.parametrize("qkv, says", BAD, ids=lambda x: x if isinstance(x, str) else None)
+def test_inputs_no_attention_takes_are_refused_before_any_kernel(qkv, says, implementation):
+    """Every implementation checks q, k, v as reference.attention does, first: a wrong rank,
+    dtype, empty axis, mismatched shape, heads that do not group, or causal queries with no
+    key to see is one ConfigError, never an error from inside a kernel."""
+    with pytest.raises(ConfigError, match=says):
+        jax.eval_shape(functools.partial(kernel.attention, causal=True, implementation=implementation), *qkv)
+
+
+def test_causal_over_more_keys_than_queries_runs_xla_where_a_kernel_would_misalign(monkeypatch):
+    """Causal attention of T queries over S > T keys (the queries the last T positions):
+    cuDNN's and the kernel's masks align to the top left, so "auto" runs XLA there, equal
+    to the reference exactly, and a kernel asked for by name is refused; over S = T, and
+    not causal over S != T, the Pallas kernel equals the reference."""
+    ks = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(ks[0], (1, 16, 4, 16))
+    k, v = (jax.random.normal(key, (1, 32, 2, 16)) for key in ks[1:])
+    with pytest.raises(ConfigError, match="T=16 queries over S=32 keys"):
+        kernel.attention(q, k, v, causal=True, implementation="pallas")
+    monkeypatch.setattr(kernel, "choose", lambda *a, **kw: "pallas")      # as "auto" would on a GPU
+    np.testing.assert_array_equal(kernel.attention(q, k, v, causal=True), reference.attention(q, k, v))
+    with precision_policy():
+        assert_close(kernel.attention(q, k, v, causal=False), reference.attention(q, k, v, causal=False))
+        assert_close(kernel.attention(q, k[:, :16], v[:, :16]), reference.attention(q, k[:, :16], v[:, :16]))
+
+
+def test_mixed_dtypes_reach_a_kernel_promoted_as_xla_promotes_them():
+    """q in bfloat16 with k, v in float32: the Pallas kernel computes in and returns the
+    promoted dtype, as the reference's einsums do."""
+    ks = jax.random.split(jax.random.key(4), 3)
+    q = jax.random.normal(ks[0], (1, 16, 4, 16)).astype(jnp.bfloat16)
+    k, v = (jax.random.normal(key, (1, 16, 2, 16)) for key in ks[1:])
+    got, want = kernel.attention(q, k, v, implementation="pallas"), reference.attention(q, k, v)
+    assert got.dtype == want.dtype == jnp.float32
+    with precision_policy():
+        assert_close(got, want)

@@ -41,6 +41,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jaxpar import errors
+from jaxpar.errors import ConfigError
+
 TILE = 64               # queries and keys per tile (a power of two, >= 16 for the tensor cores)
 MASKED = -1e30          # a masked score: exp(MASKED - anything finite) is 0, with no inf arithmetic
 
@@ -195,9 +198,33 @@ def _flat(q, k):
     return q.reshape(B * K, G, T, H), k.reshape(B * K, k.shape[2], H)
 
 
+def _check(q, k, v, causal: bool, **stats) -> None:
+    """Refuse a block the kernels cannot take, before anything traces: q [B, K, G, Tq, H],
+    k and v [B, K, Tk, H] of float dtypes, a causal block square, the tiles `fits` takes,
+    and the backward's do [B, K, G, Tq, H], lse and delta [B, K, G, Tq]."""
+    B, K, G, Tq, H = errors.array("q", q, ndim=5, kinds="f", shape_doc="q[B, K, G, Tq, H]")
+    for name, a in (("k", k), ("v", v)):
+        shape = errors.array(name, a, ndim=4, kinds="f", shape_doc=f"{name}[B, K, Tk, H]")
+        if shape[:2] != (B, K) or shape[3] != H or shape != tuple(k.shape):
+            raise ConfigError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must have one "
+                              f"shape [B={B}, K={K}, Tk, H={H}]")
+    Tk = int(k.shape[2])
+    if causal and Tq != Tk:
+        raise ConfigError(f"causal=True with Tq={Tq} queries and Tk={Tk} keys: a causal block is the diagonal "
+                          "one, of equal positions. Fix: causal=False for an off-diagonal block")
+    for name, a in stats.items():
+        want = (B, K, G, Tq, H) if name == "do" else (B, K, G, Tq)
+        if tuple(errors.array(name, a, kinds="f", shape_doc=name)) != want:
+            raise ConfigError(f"{name} has shape {tuple(a.shape)}; the block's {name} is {list(want)}")
+    refusal = fits(tq=Tq, tk=Tk, head_dim=H)
+    if refusal:
+        raise ConfigError(refusal)
+
+
 def block_forward(q, k, v, *, scale: float, causal: bool, interpret: bool = False):
     """(o, lse) of grouped queries q [B, K, G, Tq, H] over one block of keys k, v
     [B, K, Tk, H], both float32: blockwise.attend's contract."""
+    _check(q, k, v, causal)
     B, K, G, Tq, H = q.shape
     Tk = k.shape[2]
     bq, bk = tile(Tq), tile(Tk)
@@ -218,6 +245,7 @@ def block_forward(q, k, v, *, scale: float, causal: bool, interpret: bool = Fals
 def block_backward(q, k, v, do, lse, delta, *, scale: float, causal: bool, interpret: bool = False):
     """(dq, dk, dv) of one block from the final lse and delta = sum(do * o, -1) of the
     whole attention, float32: blockwise.attend_backward's contract."""
+    _check(q, k, v, causal, do=do, lse=lse, delta=delta)
     B, K, G, Tq, H = q.shape
     Tk = k.shape[2]
     bq, bk = tile(Tq), tile(Tk)

@@ -255,3 +255,34 @@ def test_the_trainers_step_with_ring_blocks_through_the_kernel_lowers_for_a_gpu(
     names = triton_modules(trainer._step, *trainer.abstract_inputs())
     for name in ("jaxpar_block_forward", "jaxpar_block_dkv", "jaxpar_block_dq"):
         assert name in names, name
+
+
+_Z = lambda *shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype)
+_Q, _K = _Z(1, 2, 2, 64, 16), _Z(1, 2, 64, 16)
+
+
+@pytest.mark.parametrize("q, k, v, causal, says", [
+    (_Z(1, 2, 64, 16), _K, _K, True, "expected rank 5"),
+    (_Q, _Z(1, 2, 64, 32), _Z(1, 2, 64, 32), False, "one shape"),
+    (_Q, _K, _Z(1, 2, 32, 16), False, "one shape"),
+    (_Q, _Z(1, 1, 64, 16), _Z(1, 1, 64, 16), False, "one shape"),
+    (_Q, _Z(1, 2, 128, 16), _Z(1, 2, 128, 16), True, "diagonal one"),
+    (_Z(1, 2, 2, 64, 16, dtype=jnp.int32), _K, _K, False, "floating point"),
+    (_Q, _Z(1, 2, 24, 16), _Z(1, 2, 24, 16), False, "24 keys per block"),
+    (_Z(1, 2, 2, 64, 24), _Z(1, 2, 64, 24), _Z(1, 2, 64, 24), False, "head_dim=24"),
+    (_Z(0, 2, 2, 64, 16), _Z(0, 2, 64, 16), _Z(0, 2, 64, 16), False, "empty axis"),
+], ids=lambda x: x if isinstance(x, str) else None)
+def test_a_block_the_kernels_cannot_take_is_refused_before_tracing(q, k, v, causal, says):
+    """block_forward and block_backward check their operands first: one ConfigError naming
+    the constraint, never an error from inside pallas_call."""
+    stats = _Z(*q.shape[:-1]) if len(q.shape) == 5 else _Z(1)
+    with pytest.raises(ConfigError, match=says):
+        jax.eval_shape(lambda q, k, v: flash.block_forward(q, k, v, scale=0.25, causal=causal), q, k, v)
+    with pytest.raises(ConfigError, match=says):
+        jax.eval_shape(lambda *a: flash.block_backward(*a, scale=0.25, causal=causal), q, k, v, q, stats, stats)
+
+
+def test_the_backwards_statistics_must_be_the_blocks():
+    with pytest.raises(ConfigError, match=r"lse has shape \(1, 2, 2, 32\); the block's lse is \[1, 2, 2, 64\]"):
+        jax.eval_shape(lambda *a: flash.block_backward(*a, scale=0.25, causal=True), _Q, _K, _K, _Q,
+                       _Z(1, 2, 2, 32), _Z(1, 2, 2, 64))

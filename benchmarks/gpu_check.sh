@@ -7,22 +7,26 @@
 #   JAXPAR_COMMIT=$(git rev-parse --short HEAD) benchmarks/gpu_check.sh [tour] [checks] [tests] [attention] [expert] [bench] [torch]
 #
 # With no argument tour, tests, attention, expert, bench and torch run, one after the other;
-# `pending` is what no GPU has run yet (tests, expert, and bench at 1B and the MoE both ways). `tour` is
+# `pending` is what no GPU has run yet (tests, expert, the MoE both ways, the ep check). `tour` is
 # `python -m jaxpar tour` in one call (TOUR_S seconds at most), its exit status last in
 # $OUT/tour.txt; `checks` runs the same checks as `jaxpar verify NAME` one by one (CHECK_S
 # seconds each), appending to $OUT/checks.txt, so a call cut short keeps what finished. The
 # tests, the tour and the checks do not preallocate the GPU, so the tour can run beside the
 # benchmark. BENCH_ARGS adds to benchmarks.gpu's (e.g. --only 1B-T8192,1B-T32768-dots),
-# TORCH_ARGS to benchmarks.torch_peer's (e.g. --size 1B), TESTS replaces the test files.
+# TORCH_ARGS to benchmarks.torch_peer's (e.g. --size 1B), TESTS replaces the test files,
+# CHECKS names the checks (default: every one of the tour).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 parts=${*:-tour tests attention expert bench torch}
 if [[ " $parts " == *" pending "* ]]; then   # what no GPU has run yet: the Pallas kernels' tests, the
-  # experts' kernel one layer at a time, the refactored trainer at 1B and the MoE both ways
-  parts="$parts tests expert bench"
-  BENCH_ARGS=${BENCH_ARGS:---only 1B,MoE --compare-experts MoE --steps 5}
+  # experts' kernel one layer at a time, the MoE both ways, and the tour's rows new since the
+  # GPU ran it (the ep check's grouped-kernel row; the trainer itself is the program the GPU
+  # timed: benchmarks/gpu_program.py)
+  parts="$parts tests expert bench checks"
+  BENCH_ARGS=${BENCH_ARGS:---only MoE --compare-experts MoE --steps 5}
+  CHECKS=${CHECKS:-ep}
 fi
 has() { [[ " $parts " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
@@ -34,7 +38,7 @@ if has tour; then      # the whole tour, one process, as a user runs it
 fi
 if has checks; then    # check by check, appended to one file: a run cut short keeps every finished check
   : > "$OUT/checks.txt"
-  for c in $(python3 -c "from jaxpar.cli.tour import CHECKS; print(' '.join(CHECKS))"); do
+  for c in ${CHECKS:-$(python3 -c "from jaxpar.cli.tour import CHECKS; print(' '.join(CHECKS))")}; do
     s=$(date +%s)
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${CHECK_S:-120} python3 -m jaxpar verify "$c" >> "$OUT/checks.txt" 2>&1
     rc=$?; echo "== $c exit $rc in $(( $(date +%s) - s )) s" >> "$OUT/checks.txt"

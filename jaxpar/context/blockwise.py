@@ -270,7 +270,7 @@ class Blocks(NamedTuple):
     def forward(self, q, k, v, *, scale, causal: bool):
         """(o, lse) of q over one block of k, v."""
         if self.kernel == "pallas":
-            return flash.block_forward(q, k, v, scale=scale, causal=causal, interpret=flash.interpret_here())
+            return flash.block_forward(q, k, v, scale=scale, causal=causal)
         if causal:
             return attend_diagonal(q, k, v, scale=scale, chunk=self.chunk)
         return attend_chunked(q, k, v, scale=scale, chunk=self.chunk)
@@ -278,8 +278,7 @@ class Blocks(NamedTuple):
     def backward(self, q, k, v, do, lse, delta, *, scale, causal: bool):
         """(dq, dk, dv) of one block from the merged lse and delta."""
         if self.kernel == "pallas":
-            return flash.block_backward(q, k, v, do, lse, delta, scale=scale, causal=causal,
-                                        interpret=flash.interpret_here())
+            return flash.block_backward(q, k, v, do, lse, delta, scale=scale, causal=causal)
         if causal:
             return attend_diagonal_backward(q, k, v, do, lse, delta, scale=scale, chunk=self.chunk)
         return attend_backward_chunked(q, k, v, do, lse, delta, scale=scale, chunk=self.chunk)

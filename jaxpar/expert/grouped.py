@@ -42,7 +42,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxpar.kernels import flash
 from jaxpar.kernels import grouped as grouped_kernel
 
 KERNELS = ("xla", "pallas")
@@ -86,7 +85,7 @@ def tile_matmul(h, w, tiles: grouped_kernel.Tiles):
     """h [n_tiles * TILE_ROWS, D_in] x w [E, D_in, D_out] -> [n_tiles * TILE_ROWS, D_out]
     through the grouped kernel (both promoted to one dtype, as an einsum would)."""
     dtype = jnp.result_type(h, w)
-    return grouped_kernel.grouped_matmul(h.astype(dtype), w.astype(dtype), tiles, interpret=flash.interpret_here())
+    return grouped_kernel.grouped_matmul(h.astype(dtype), w.astype(dtype), tiles)
 
 
 def block_experts(p: dict, h, matmul, mlp: str):

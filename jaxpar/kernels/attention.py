@@ -179,7 +179,7 @@ def _pallas(q, k, v, causal):
 
 def _pallas_fwd(q, k, v, causal):
     scale = q.shape[-1] ** -0.5
-    o, lse = flash.block_forward(q, k, v, scale=scale, causal=causal, interpret=flash.interpret_here())
+    o, lse = flash.block_forward(q, k, v, scale=scale, causal=causal)
     o = o.astype(q.dtype)
     return o, (q, k, v, o, lse)
 
@@ -187,8 +187,7 @@ def _pallas_fwd(q, k, v, causal):
 def _pallas_bwd(causal, res, do):
     q, k, v, o, lse = res
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
-    dq, dk, dv = flash.block_backward(q, k, v, do, lse, delta, scale=q.shape[-1] ** -0.5, causal=causal,
-                                      interpret=flash.interpret_here())
+    dq, dk, dv = flash.block_backward(q, k, v, do, lse, delta, scale=q.shape[-1] ** -0.5, causal=causal)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

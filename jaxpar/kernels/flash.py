@@ -25,8 +25,9 @@ group (dK and dV of a KV head are summed over its G query heads in the kernel, s
 nothing [G]-times larger is written), and one program per query block walks the key
 blocks for dQ. Scores exist only as a [bq, bk] tile.
 
-On a GPU the kernels lower through Pallas' Triton backend; `interpret=True` runs the same
-kernels on any backend (the CPU tests do). `fits` says which shapes they take: power-of-
+On a GPU the kernels lower through Pallas' Triton backend; elsewhere they run the same
+kernels in Pallas' interpreter (`interpret=None`, the default, picks by backend; True or
+False forces either, False lowering for Triton from any machine). `fits` says which shapes they take: power-of-
 two tiles dividing the block, a head_dim that is a power of two from 16 to 256.
 """
 
@@ -67,6 +68,12 @@ def fits(*, tq: int, tk: int, head_dim: int) -> str | None:
 def interpret_here() -> bool:
     """Whether the kernels run in Pallas' interpreter here: on every backend but a GPU."""
     return jax.default_backend() not in ("gpu", "cuda")
+
+
+def interpreting(interpret: bool | None) -> bool:
+    """A kernel's `interpret` argument: None (the default) is `interpret_here()`; False
+    lowers for Triton on any backend (cross-platform lowering; running it needs a GPU)."""
+    return interpret_here() if interpret is None else bool(interpret)
 
 
 def params(interpret: bool, *, num_warps: int = 4, num_stages: int = 2) -> dict:
@@ -221,10 +228,11 @@ def _check(q, k, v, causal: bool, **stats) -> None:
         raise ConfigError(refusal)
 
 
-def block_forward(q, k, v, *, scale: float, causal: bool, interpret: bool = False):
+def block_forward(q, k, v, *, scale: float, causal: bool, interpret: bool | None = None):
     """(o, lse) of grouped queries q [B, K, G, Tq, H] over one block of keys k, v
     [B, K, Tk, H], both float32: blockwise.attend's contract."""
     _check(q, k, v, causal)
+    interpret = interpreting(interpret)
     B, K, G, Tq, H = q.shape
     Tk = k.shape[2]
     bq, bk = tile(Tq), tile(Tk)
@@ -242,10 +250,11 @@ def block_forward(q, k, v, *, scale: float, causal: bool, interpret: bool = Fals
     return o.reshape(q.shape), lse.reshape(q.shape[:-1])
 
 
-def block_backward(q, k, v, do, lse, delta, *, scale: float, causal: bool, interpret: bool = False):
+def block_backward(q, k, v, do, lse, delta, *, scale: float, causal: bool, interpret: bool | None = None):
     """(dq, dk, dv) of one block from the final lse and delta = sum(do * o, -1) of the
     whole attention, float32: blockwise.attend_backward's contract."""
     _check(q, k, v, causal, do=do, lse=lse, delta=delta)
+    interpret = interpreting(interpret)
     B, K, G, Tq, H = q.shape
     Tk = k.shape[2]
     bq, bk = tile(Tq), tile(Tk)

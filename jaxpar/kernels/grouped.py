@@ -29,8 +29,9 @@ expert's matrix per block, so its blocks must be large (t*k/2E rows), and pays f
 in rows: the static bound t*k + E*(b-1) is 1.44 t*k at 8 experts. Here the bound is
 t*k + E*(TILE_ROWS - 1): 1.03 t*k at t*k = 32768.
 
-On a GPU the kernels lower through Pallas' Triton backend; `interpret=True` runs them on
-any backend (the CPU tests do). float32 and float64 inputs are multiplied at full precision
+On a GPU the kernels lower through Pallas' Triton backend; elsewhere they run in Pallas'
+interpreter (`interpret=None`, the default, picks by backend; False lowers for Triton from
+any machine). float32 and float64 inputs are multiplied at full precision
 (not TF32), accumulating in float32 (float64 for float64); 16-bit inputs accumulate in
 float32 and are written back in their dtype.
 """
@@ -47,7 +48,7 @@ from jax.experimental import pallas as pl
 from jaxpar import errors
 from jaxpar.collectives import varying, varying_axes
 from jaxpar.errors import ConfigError
-from jaxpar.kernels.flash import out_struct, params
+from jaxpar.kernels.flash import interpreting, out_struct, params
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
 # Whether "auto" takes the kernel on a GPU. It matches the XLA grouped matmuls and the
@@ -246,7 +247,7 @@ def _check(h, w, t: Tiles) -> None:
         raise ConfigError(refusal)
 
 
-def grouped_matmul(h, w, t: Tiles, *, interpret: bool = False):
+def grouped_matmul(h, w, t: Tiles, *, interpret: bool | None = None):
     """Each TILE_ROWS-row tile of h [M, K] times its expert's matrix w[t.expert[tile]]
     ([E, K, N]) -> [M, N]; h and w of one dtype (the caller promotes), M a multiple of
     TILE_ROWS, K and N as `fits` says. Tiles past t.count's sum come back zero.
@@ -255,6 +256,7 @@ def grouped_matmul(h, w, t: Tiles, *, interpret: bool = False):
     varies over, as an einsum's implicit pvary would: the kernel's gradient of an
     invariant w is then summed over those axes by pvary's transpose, as XLA's would be."""
     _check(h, w, t)
+    interpret = interpreting(interpret)
     axes = sorted(set().union(*map(varying_axes, (h, w, *t))))
     h, w, t = varying((h, w, t), axes)
     return _grouped(h, w, t, interpret)

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import jax
 
 from jaxpar.errors import ConfigError
+from jaxpar.kernels import flash
 
 try:
     from jax._src.pallas.triton import pallas_call_registration as _registration
@@ -55,7 +56,9 @@ def _hook():
 def modules(fn, *args) -> list[Module]:
     """Each Triton module `fn(*args)` lowers to for CUDA, in lowering order, each passed
     by MLIR's verifier (an AssertionError lists those that fail). `fn` may be jitted
-    already (its own options are kept); `args` may be ShapeDtypeStructs."""
+    already (its own options are kept); `args` may be ShapeDtypeStructs. While it lowers,
+    the kernels take the path they take on a GPU (`flash.interpret_here()` is False), so a
+    kernel whose `interpret` is left at its default lowers for Triton."""
     lowering = _hook()
     build = lowering.lower_jaxpr_to_triton_module
     found, errors = [], []
@@ -72,11 +75,13 @@ def modules(fn, *args) -> list[Module]:
         return result
 
     lowering.lower_jaxpr_to_triton_module = verified
+    here, flash.interpret_here = flash.interpret_here, lambda: False     # the kernels as a GPU runs them
     try:
         jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
         text = jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     finally:
         lowering.lower_jaxpr_to_triton_module = build
+        flash.interpret_here = here
     assert not errors, "Triton modules MLIR's verifier rejects:\n" + "\n".join(errors)
     launch = {}
     for name, stages, warps in _LAUNCH.findall(text):

@@ -49,3 +49,18 @@ def test_each_kernels_launch_is_read_from_the_program():
     q, k = jax.ShapeDtypeStruct((1, 1, 2, 64, 32), jnp.bfloat16), jax.ShapeDtypeStruct((1, 1, 64, 32), jnp.bfloat16)
     [forward] = triton_ir.modules(lambda q, k: flash.block_forward(q, k, k, scale=0.2, causal=True), q, k)
     assert (forward.name, forward.num_warps, forward.num_stages) == ("jaxpar_block_forward", 4, 2)
+
+
+def test_left_at_their_default_the_kernels_run_where_they_are():
+    """interpret=None picks by backend: on CPU the interpreter (what interpret=True runs,
+    to the bit), on a GPU Triton; no 'only interpret mode' error for a caller who did not
+    choose."""
+    t = grouped.tiles(jnp.array([100, 28]), 2)
+    h, w = jnp.ones((2 * grouped.TILE_ROWS, 32)), jnp.ones((2, 32, 16))
+    q, k = jnp.ones((1, 1, 2, 16, 16)), jnp.ones((1, 1, 16, 16))
+    if not flash.interpret_here():
+        pytest.skip("on a GPU the default compiles through Triton: the kernels' GPU tests cover it")
+    assert (grouped.grouped_matmul(h, w, t) == grouped.grouped_matmul(h, w, t, interpret=True)).all()
+    for a, b in zip(flash.block_forward(q, k, k, scale=0.25, causal=True),
+                    flash.block_forward(q, k, k, scale=0.25, causal=True, interpret=True)):
+        assert (a == b).all()

@@ -27,8 +27,9 @@ blocks for dQ. Scores exist only as a [bq, bk] tile.
 
 On a GPU the kernels lower through Pallas' Triton backend; elsewhere they run the same
 kernels in Pallas' interpreter (`interpret=None`, the default, picks by backend; True or
-False forces either, False lowering for Triton from any machine). `fits` says which shapes they take: power-of-
-two tiles dividing the block, a head_dim that is a power of two from 16 to 256.
+False forces either, False lowering for Triton from any machine). `fits` says which
+shapes they take: power-of-two tiles dividing the block, a head_dim that is a power of
+two from 16 to 256.
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ def _matmul_kernel(expert_ref, used_ref, h_ref, w_ref, o_ref, *, st: _Static):
     e = expert_ref[i]
     # an empty tile: no steps, zeros. Not jnp.where(pred, steps, 0): jax 0.10's Triton
     # lowering of select_n types its Python-number operands as the predicate (i1), and the
-    # loop's bound then fails MLIR's verifier (tests.kernels.triton_modules)
+    # loop's bound then fails MLIR's verifier (kernels.triton_ir.modules)
     steps = (i < used_ref[0]).astype(jnp.int32) * (h_ref.shape[1] // bk)
 
     def body(s, acc):

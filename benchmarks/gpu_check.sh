@@ -57,7 +57,8 @@ fi
 if has expert; then     # one MoE layer, forward + backward (the grouped kernel against XLA's grouped and padded)
   timeout ${EXPERT_S:-90} python3 -m benchmarks.expert_gpu --out "$OUT" 2>&1 | grep -v "^W0000\|^I0000" | cut -c1-200
 fi
-if has bench; then
+if has bench; then       # the census of the program timed (benchmarks/gpu_program.py), then the timings
+  timeout 90 python3 -m benchmarks.gpu_program --out "$OUT" 2>&1 | grep -v "^W0000\|^I0000" | cut -c1-200
   timeout ${BENCH_S:-200} python3 -m benchmarks.gpu --quick --out "$OUT" ${BENCH_ARGS:-} 2>&1 | grep -v "^W0000\|^I0000" | cut -c1-200
 fi
 if has torch; then

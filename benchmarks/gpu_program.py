@@ -15,7 +15,8 @@ cross-platform lowering builds the program (about 10 s per model on 2 CPU cores)
 To lower cuDNN's attention without a GPU, the two checks JAX makes at trace time (cuDNN
 is installed; the device's compute capability) are answered as an H200 would answer
 them: cuDNN 9.15, compute capability 9.0. They are JAX internals; where a release moves
-them this says so.
+them this says so. On a GPU nothing is stood in, and benchmarks/gpu_check.sh writes the
+census of the commit it times beside its figures.
 """
 
 from __future__ import annotations
@@ -44,7 +45,11 @@ COMPUTE_CAPABILITY = (9, 0)          # Hopper
 
 @contextlib.contextmanager
 def as_on_a_hopper_gpu():
-    """Within: the attention chooses, and JAX lowers, cuDNN's flash attention as on an H200."""
+    """Within: the attention chooses, and JAX lowers, cuDNN's flash attention as on an H200
+    (on a GPU, as that GPU does: nothing is stood in)."""
+    if jax.default_backend() == "gpu":
+        yield
+        return
     answers = {"check_cudnn_version": lambda: CUDNN_VERSION,
                "check_compute_capability": lambda c: COMPUTE_CAPABILITY >= tuple(int(x) for x in c.split(".")),
                "is_cuda_compute_capability_equal": lambda c: tuple(int(x) for x in c.split(".")) == COMPUTE_CAPABILITY}
@@ -107,7 +112,9 @@ def main(argv=None) -> int:
         return 2
     with as_on_a_hopper_gpu():
         models = {name: step_census(name) for name in names}
-    result = {"commit": os.environ.get("JAXPAR_COMMIT"), "jax": jax.__version__, "models": models}
+        cudnn_version = cudnn.check_cudnn_version()
+    result = {"commit": os.environ.get("JAXPAR_COMMIT"), "jax": jax.__version__, "backend": jax.default_backend(),
+              "cudnn": cudnn_version, "models": models}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "gpu_program.json"), "w") as f:

@@ -9,9 +9,10 @@ its Triton module, MLIR's verifier passes it), then compiled by the `triton` pac
 PyPI for sm_90 with the launch Pallas asks for (warps, stages), through PTX to a cubin:
 the shared memory Triton allots (an H100 or H200 gives a program at most 227 KiB), and,
 from `cuobjdump -res-usage` of the cubin, the registers per thread and the stack (bytes
-spilled from registers; 0 is none); and from the PTX, how the matmuls run: `wgmma` counts
-Hopper's asynchronous tensor-core instructions, `fma` float32 multiply-adds (a dot
-computed without tensor cores).
+spilled from registers; 0 is none); and from its SASS (`cuobjdump -sass`), how the
+matmuls run: HGMMA counts Hopper's asynchronous tensor-core MMAs, FFMA float32
+multiply-adds (a dot computed without tensor cores), LDL/STL the loads and stores of
+spilled registers.
 
 This is the triton package's compiler, not the one XLA:GPU carries inside jaxlib: a
 kernel it compiles is Triton-valid for Hopper and its figures are those of that Triton
@@ -75,13 +76,19 @@ CASES = {
 
 
 def _resources(cuobjdump: str, cubin: bytes) -> dict:
-    """Registers per thread and stack bytes of the cubin's one kernel."""
+    """The cubin's one kernel: registers per thread and stack bytes (`-res-usage`), and in
+    its SASS the Hopper tensor-core MMAs (HGMMA), float32 FMAs (FFMA) and local-memory
+    loads and stores (LDL / STL: spilled registers read back)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, timeout=60).stdout
+        run = lambda flag: subprocess.run([cuobjdump, flag, f.name], capture_output=True, text=True,
+                                          timeout=120).stdout
+        usage, sass = run("-res-usage"), run("-sass")
     found = dict(re.findall(r"(REG|STACK):(\d+)", usage))
-    return {"registers": int(found["REG"]), "stack_bytes": int(found["STACK"])} if found else {}
+    counts = {"hgmma": len(re.findall(r"\bHGMMA\b", sass)), "ffma": len(re.findall(r"\bFFMA\b", sass)),
+              "local_ldst": len(re.findall(r"\b(?:LDL|STL)\b", sass))}
+    return {"registers": int(found["REG"]), "stack_bytes": int(found["STACK"]), **counts} if found else counts
 
 
 def compile_case(name: str, triton, work: str) -> list[dict]:
@@ -101,9 +108,7 @@ def compile_case(name: str, triton, work: str) -> list[dict]:
             kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32),
                                     options={"num_warps": module.num_warps, "num_stages": module.num_stages})
             shared = int(kernel.metadata.shared)
-            ptx = kernel.asm["ptx"]
             return {**identity, "shared_bytes": shared, "fits_hopper": shared <= HOPPER_SHARED,
-                    "wgmma": ptx.count("wgmma.mma_async"), "fma": ptx.count("fma.rn.f32"),
                     **_resources(cuobjdump, kernel.asm["cubin"])}
         rows.append(guarded(measure, **identity))
     return rows
@@ -114,7 +119,7 @@ def _line(r: dict) -> str:
         return f"{r['case']:<20} {r['kernel']:<28} ERROR {r['error']}"
     return (f"{r['case']:<20} {r['kernel']:<28} {r['num_warps']:>5} {r['num_stages']:>6} "
             f"{r['shared_bytes'] / 1024:>9.1f} {str(r['fits_hopper']):>6} {r.get('registers', '?'):>5} "
-            f"{r.get('stack_bytes', '?'):>6} {r['wgmma']:>6} {r['fma']:>6}")
+            f"{r.get('stack_bytes', '?'):>6} {r['hgmma']:>6} {r['ffma']:>6} {r['local_ldst']:>6}")
 
 
 def main(argv=None) -> int:
@@ -136,7 +141,7 @@ def main(argv=None) -> int:
     print(f"triton {triton.__version__}, jax {jax.__version__}, target sm_90; shared memory limit "
           f"{HOPPER_SHARED // 1024} KiB per program")
     print(f"{'case':<20} {'kernel':<28} {'warps':>5} {'stages':>6} {'shared KiB':>9} {'fits':>6} {'regs':>5} "
-          f"{'stack':>6} {'wgmma':>6} {'fma':>6}")
+          f"{'stack':>6} {'HGMMA':>6} {'FFMA':>6} {'LDL/STL':>7}")
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for name in names:

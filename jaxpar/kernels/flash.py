@@ -47,12 +47,17 @@ from jaxpar import errors
 from jaxpar.errors import ConfigError
 
 TILE = 64               # queries and keys per tile (a power of two, >= 16 for the tensor cores)
+# float32 and float64 tiles: their dots run at full precision on FMAs, not tensor cores, and
+# 64-wide tiles then spill 8 to 16 KiB per thread on Hopper; 16-wide ones spill nothing but
+# 360 B in dK/dV at heads of 128 (benchmarks/triton_sm90.py, PyPI's Triton for sm_90)
+WIDE_TILE = 16
 MASKED = -1e30          # a masked score: exp(MASKED - anything finite) is 0, with no inf arithmetic
 
 
-def tile(tokens: int) -> int:
-    """The tile for a block of `tokens`: TILE, or the whole block when it is smaller."""
-    return min(TILE, tokens)
+def tile(tokens: int, dtype=jnp.bfloat16) -> int:
+    """The tile for a block of `tokens` of `dtype`: TILE for 16-bit inputs, WIDE_TILE for
+    wider ones, or the whole block when it is smaller."""
+    return min(TILE if jnp.dtype(dtype).itemsize <= 2 else WIDE_TILE, tokens)
 
 
 def fits(*, tq: int, tk: int, head_dim: int) -> str | None:
@@ -236,7 +241,7 @@ def block_forward(q, k, v, *, scale: float, causal: bool, interpret: bool | None
     interpret = interpreting(interpret)
     B, K, G, Tq, H = q.shape
     Tk = k.shape[2]
-    bq, bk = tile(Tq), tile(Tk)
+    bq, bk = tile(Tq, q.dtype), tile(Tk, q.dtype)
     (qf, kf), vf = _flat(q, k), v.reshape(B * K, Tk, H)
     kernel = functools.partial(_forward_kernel, st=_Static(float(scale), causal, bk, _precision(q.dtype)))
     whole = pl.BlockSpec((None, Tk, H), lambda b, g, i: (b, 0, 0))
@@ -258,7 +263,7 @@ def block_backward(q, k, v, do, lse, delta, *, scale: float, causal: bool, inter
     interpret = interpreting(interpret)
     B, K, G, Tq, H = q.shape
     Tk = k.shape[2]
-    bq, bk = tile(Tq), tile(Tk)
+    bq, bk = tile(Tq, q.dtype), tile(Tk, q.dtype)
     (qf, kf), vf = _flat(q, k), v.reshape(B * K, Tk, H)
     dof = do.astype(q.dtype).reshape(qf.shape)
     lsef, deltaf = (a.astype(jnp.float32).reshape(qf.shape[:-1]) for a in (lse, delta))

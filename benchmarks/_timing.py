@@ -55,6 +55,14 @@ def compiled_seconds(step: Callable, args: tuple, reps: int):
     return (time.perf_counter() - start) / reps, compiled
 
 
+def timed_row(step: Callable, args: tuple, reps: int, flops: float, **identity) -> dict:
+    """`identity` with step's ms per call (compiled_seconds), TFLOP/s by `flops` per call and
+    the compiled program's temporaries in MiB: one row of a GPU kernel benchmark."""
+    s, compiled = compiled_seconds(step, args, reps)
+    return {**identity, "ms": round(1e3 * s, 3), "tflops": round(flops / s / 1e12, 1),
+            "temp_mib": round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 1)}
+
+
 def rows_to(path: str, measures: Iterable[tuple[dict, Callable[[], dict]]]) -> list[dict]:
     """The row of each (identity, measure) (`guarded`), printed as it comes, the JSON at
     `path` (device, jax version, rows) rewritten after each: a run cut short keeps what

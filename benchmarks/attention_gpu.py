@@ -27,7 +27,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from benchmarks._timing import compiled_seconds, rows_to, without_gpu
+from benchmarks._timing import rows_to, timed_row, without_gpu
 from jaxpar import mesh as mesh_lib
 from jaxpar import reference
 from jaxpar.context import ring
@@ -57,10 +57,8 @@ def measure(name: str, fn, T: int, reps: int = 10, heads: tuple[int, int, int] =
     def step(q, k, v, do):
         o, vjp = jax.vjp(fn, q, k, v)
         return o, *vjp(do)
-    s, compiled = compiled_seconds(step, (q, k_, v, do), reps)
     flops = 4 * B * n * T * T * h * 3.5 / 2
-    return {"impl": name, "seq_len": T, "ms": round(1e3 * s, 3), "tflops": round(flops / s / 1e12, 1),
-            "temp_mib": round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 1)}
+    return timed_row(step, (q, k_, v, do), reps, flops, impl=name, seq_len=T)
 
 
 def main(argv=None) -> int:

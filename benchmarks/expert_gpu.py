@@ -27,7 +27,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from benchmarks._timing import compiled_seconds, rows_to, without_gpu
+from benchmarks._timing import rows_to, timed_row, without_gpu
 from jaxpar import reference
 from jaxpar.expert import dispatch
 from jaxpar.expert.verify import moe_inputs
@@ -48,10 +48,8 @@ def measure(name: str, sizes: dict, reps: int = 10) -> dict:
     def step(p, x, dy):
         y, vjp = jax.vjp(lambda p, x: dispatch.ep_moe_shard(p, x, axis=None, options=options)[0], p, x)
         return y, vjp(dy)
-    s, compiled = compiled_seconds(step, (p, x[0], dy[0]), reps)
     flops = 3 * 2 * t * cfg.top_k * cfg.d_model * cfg.d_ff * 3
-    return {"impl": name, "tokens": t, "ms": round(1e3 * s, 3), "tflops": round(flops / s / 1e12, 1),
-            "temp_mib": round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 1)}
+    return timed_row(step, (p, x[0], dy[0]), reps, flops, impl=name, tokens=t)
 
 
 def main(argv=None) -> int:

@@ -86,15 +86,21 @@ def _peak_gib() -> float | None:
     return None if peak is None else round(peak / 2**30, 2)
 
 
+def trainer_for(name: str, *, kernel: str = "auto", experts: str = "auto") -> Trainer:
+    """The trainer of MODELS[name] as the figures time it: one device, mixed precision
+    (bf16 layers over float32 weights and AdamW), the benchmark's learning-rate schedule."""
+    cfg, batch_size, seq_len, recompute = MODELS[name]
+    return Trainer(cfg, ParallelSpec(recompute=recompute), OptimConfig(lr=3e-4, warmup=10, steps=1000),
+                   batch_size=batch_size, seq_len=seq_len, devices=jax.devices()[:1], compute_dtype=jnp.bfloat16,
+                   attention_kernel=kernel, expert_kernel=experts)
+
+
 def measure(name: str, *, steps: int, kernel: str = "auto", experts: str = "auto",
             profile_dir: str | None = None) -> dict:
     """One model's row: build, compile, two warm-up steps, `steps` timed steps."""
     cfg, batch_size, seq_len, recompute = MODELS[name]
-    spec = ParallelSpec(recompute=recompute)
     start = time.perf_counter()
-    trainer = Trainer(cfg, spec, OptimConfig(lr=3e-4, warmup=10, steps=1000), batch_size=batch_size,
-                      seq_len=seq_len, devices=jax.devices()[:1], compute_dtype=jnp.bfloat16,
-                      attention_kernel=kernel, expert_kernel=experts)
+    trainer = trainer_for(name, kernel=kernel, experts=experts)
     compiled = trainer.compiled
     compile_s = time.perf_counter() - start
     state = trainer.init()

@@ -30,14 +30,10 @@ import re
 import sys
 
 import jax
-import jax.numpy as jnp
 from jax._src.cudnn import fused_attention_stablehlo as cudnn    # JAX's own checks, answered below
 
-from benchmarks.gpu import MODELS
+from benchmarks.gpu import MODELS, trainer_for
 from jaxpar.kernels import attention
-from jaxpar.train.optim import OptimConfig
-from jaxpar.train.spec import ParallelSpec
-from jaxpar.train.step import Trainer
 
 CUDNN_VERSION = 91500                # what the H200 machine's jax reports (cuDNN 9.15)
 COMPUTE_CAPABILITY = (9, 0)          # Hopper
@@ -85,11 +81,8 @@ def census(text: str) -> dict[str, int]:
 
 
 def step_census(name: str) -> dict[str, int]:
-    """benchmarks.gpu's model `name`, built as benchmarks.gpu.measure builds it, lowered for CUDA."""
-    cfg, batch_size, seq_len, recompute = MODELS[name]
-    trainer = Trainer(cfg, ParallelSpec(recompute=recompute), OptimConfig(lr=3e-4, warmup=10, steps=1000),
-                      batch_size=batch_size, seq_len=seq_len, devices=jax.devices()[:1],
-                      compute_dtype=jnp.bfloat16)
+    """benchmarks.gpu's model `name`, the trainer its figures time (gpu.trainer_for), lowered for CUDA."""
+    trainer = trainer_for(name)
     return census(trainer._step.trace(*trainer.abstract_inputs()).lower(lowering_platforms=("cuda",)).as_text())
 
 

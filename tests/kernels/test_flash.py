@@ -248,7 +248,6 @@ def test_the_trainers_step_with_ring_blocks_through_the_kernel_lowers_for_a_gpu(
     emits the Triton kernels, nothing runs) inside the trainer's shard_map, which checks
     varying types: the block's forward, and dK/dV and dQ of its backward, as Triton kernels."""
     monkeypatch.setattr(recipe, "choose_kernel", lambda *a, **k: "pallas")
-    monkeypatch.setattr(flash, "interpret_here", lambda: False)
     cfg = reference.ModelConfig(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128, vocab=64, n_layers=2)
     spec = ParallelSpec(dp=2, cp=2, layout="zigzag")
     trainer = Trainer(cfg, spec, batch_size=4, seq_len=128, devices=jax.devices()[:4], compute_dtype=jnp.bfloat16)

@@ -308,7 +308,6 @@ def test_the_trainers_step_with_the_kernel_lowers_for_a_gpu(monkeypatch, spec):
     holds at least the 2 Triton kernels of an MoE layer's forward (GeLU's two matmuls) and
     the 4 of its backward (dh and dW of each), and each passes MLIR's verifier."""
     monkeypatch.setattr(recipe, "choose_expert_kernel", lambda *a, **k: "pallas")
-    monkeypatch.setattr(flash, "interpret_here", lambda: False)
     cfg = reference.ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, vocab=64, n_layers=2,
                                 n_experts=4, top_k=2)
     trainer = Trainer(cfg, spec, batch_size=4 * spec.dp, seq_len=16, devices=jax.devices()[:spec.devices],

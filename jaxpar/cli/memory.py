@@ -21,7 +21,7 @@ from jaxpar.planner import catalog
 from jaxpar.planner.search import ACTIVATIONS, block
 
 FLAGS = {"seq_len": "--seq", "batch_size": "--batch", "tp": "--tp", "cp": "--cp", "sp": "--sp",
-         "recompute": "--recompute", "pp": "--pp", "microbatches": "--microbatches", "chunks": "--chunks"}
+         "recompute": "--recompute", "pp": "--pp", "stages": "--pp", "microbatches": "--microbatches", "chunks": "--chunks"}
 HELP = "activation memory of one layer, term by term, and of the first pipeline stage (lecture 4.2-4.5)"
 
 
@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size pp (devices), for the first stage's total")
     parser.add_argument("--schedule", default=orders.DEFAULT, help=f"one of: {', '.join(orders.REGISTRY)}")
     parser.add_argument("--microbatches", type=int, default=1, help="microbatches m per pipeline")
-    parser.add_argument("--chunks", type=int, default=1, help="chunks per device (interleaved)")
+    parser.add_argument("--chunks", type=int, default=None,
+                        help="chunks per device: interleaved's (default 2); the others have their own")
     parser.add_argument("--json", action="store_true")
 
 
@@ -52,6 +53,11 @@ def main(args) -> int:
     layer = sum(b for _, b in terms)
     errors.whole("pp", args.pp)    # refused as pp (--pp), before the schedule's p
     in_flight = pipeline_formulas.in_flight(args.schedule, p=args.pp, m=args.microbatches, chunks=args.chunks)
+    chunks = orders.lookup(args.schedule).chunks if args.chunks is None else args.chunks
+    if args.pp * chunks > model.n_layers:
+        raise errors.ConfigError(f"pp={args.pp} with {chunks} chunk{'s' * (chunks > 1)} per device is "
+                                 f"{args.pp * chunks} stages for the {model.n_layers} layers of {model.name}: every "
+                                 f"stage needs a layer; use pp={model.n_layers // chunks} or less")
     stage = A.first_stage_bytes(blk, n_layers=model.n_layers, pp=args.pp, in_flight=in_flight, **kw)
     quad = sum(b for name, b in terms if name in ("softmax output", "softmax dropout mask", "dropout output"))
     out = {"terms": dict(terms), "layer_bytes": layer, "attention_matrix_bytes": quad,

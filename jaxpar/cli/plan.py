@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from jaxpar import errors
 from jaxpar.errors import ConfigError
 from jaxpar.memory import activations
 from jaxpar.planner import catalog
 from jaxpar.planner import search as S
 
 FLAGS = {"gpus": "--gpus", "mfu": "--mfu", "tokens": "--tokens", "seq_len": "--seq", "zero": "--zero",
-         "activations": "--activations", "recompute": "--recompute", "cp": "--cp", "tp": "--tp"}
+         "activations": "--activations", "top": "--top"}   # cp= and tp= are --config's keys
 HELP = "the 3D/4D parallelism planner: memory, bubble and communication of every configuration (lecture 7)"
 GB = 1e9
 
@@ -81,18 +82,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-def _config(text: str, model: catalog.Model, seq_len: int) -> S.Candidate:
+CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "chunks", "microbatch_size", "recompute", "layers")
+ALIASES = {"v": "chunks", "mb": "microbatch_size"}     # as Candidate.label() writes them
+
+
+def whole_number(what: str, text: str, example: str) -> int:
+    """An int from a flag's text, or ConfigError naming `what` and an `example`."""
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{what}{text!r} is not a whole number: give e.g. {example}") from None
+
+
+def _config(text: str, model: catalog.Model, seq_len: int, gpus: int) -> S.Candidate:
+    """--config's tp=8,pp=16,dp=128,...: each key once; dp, when left out, the GPUs the rest
+    leave (gpus / (tp x pp x cp))."""
     fields, split = {}, None
     for part in text.split(","):
-        key, _, value = part.partition("=")
-        key = key.strip()
+        key, eq, value = part.partition("=")
+        key, value = ALIASES.get(key.strip(), key.strip()), value.strip()
+        if key not in CONFIG_KEYS or not eq:
+            raise ConfigError(f"--config: {part.strip()!r} is not key=value with a key of {', '.join(CONFIG_KEYS)} "
+                              "(e.g. --config tp=8,pp=16,dp=128)")
+        if key in fields or (key == "layers" and split is not None):
+            raise ConfigError(f"--config: {key} is given twice; give each key once")
         if key == "layers":
-            split = value.strip()
-            continue
-        if key not in {f.name for f in S.Candidate.__dataclass_fields__.values()} - {"layers_per_stage"}:
-            raise ConfigError(f"--config {text!r}: {key!r} is not one of tp, pp, dp, cp, ep, chunks, "
-                              "microbatch_size, recompute, layers")
-        fields[key] = value.strip() if key == "recompute" else int(value)
+            split = value
+        else:
+            fields[key] = value if key == "recompute" else whole_number(f"--config {key}=", value, f"{key}=8")
+    if "dp" not in fields:
+        rest = fields.get("tp", 1) * fields.get("pp", 1) * fields.get("cp", 1)
+        if rest < 1 or gpus % rest:
+            raise ConfigError(f"--config: tp x pp x cp = {rest} does not divide the {gpus} GPUs, so dp cannot be "
+                              "inferred: give dp, or sizes whose product divides --gpus")
+        fields["dp"] = gpus // rest
     cand = S.Candidate(**fields)
     if split is None:
         return cand
@@ -122,18 +145,22 @@ def main(args) -> int:
               "models: " + ", ".join(catalog.MODELS) + "\ngpus: " + ", ".join(catalog.ACCELERATORS) + "\n\n"
               + table([{k: v for k, v in vars(p).items()} for p in catalog.PUBLISHED]))
         return 0
+    errors.whole("top", args.top, maximum=10**6, fix="show at least one configuration, e.g. --top 10")
     args.tokens = tokens(args.tokens)
     model, gpu = catalog.model(args.model), catalog.accelerator(args.gpu)
     cluster = S.Cluster(gpu=gpu, gpus=args.gpus, mfu=args.mfu)
     head = (f"{model.name} ({model.params / 1e9:.1f}B params) on {args.gpus} {gpu.name}, seq {args.seq_len}, "
             f"{args.tokens / 2**20:g}M tokens a step, MFU {args.mfu}, ZeRO-{args.zero}, activations: {args.activations}")
     if args.config:
-        e = S.evaluate(model, cluster, _config(args.config, model, args.seq_len), tokens=args.tokens, seq_len=args.seq_len, zero=args.zero,
+        e = S.evaluate(model, cluster, _config(args.config, model, args.seq_len, args.gpus), tokens=args.tokens, seq_len=args.seq_len, zero=args.zero,
                        activation_model=args.activations)
         out = row(e, cluster) | {"memory": e.memory, "times": e.times}
         print(json.dumps(out, indent=1, default=str) if args.json else head + "\n\n" + table([row(e, cluster)]))
         return 0
-    cps = tuple(int(c) for c in args.cp.split(","))
+    cps = tuple(whole_number("--cp ", c.strip(), "--cp 1,2,4") for c in args.cp.split(","))
+    for c in cps:
+        if not 1 <= c <= args.gpus:
+            raise ConfigError(f"--cp {c}: context-parallel sizes run from 1 to the {args.gpus} GPUs; e.g. --cp 1,2,4")
     found = S.search(model, cluster, tokens=args.tokens, seq_len=args.seq_len, zero=args.zero, cps=cps,
                      activation_model=args.activations)
     choice = S.best(model, cluster, tokens=args.tokens, seq_len=args.seq_len, zero=args.zero, cps=cps,

@@ -32,7 +32,8 @@ backward, as FlashAttention does); full recompute keeps only the layer's input, 
 
 Modern blocks (`Block` options; constants derived in docs/memory.md):
   dropout=False   no masks and no dropout output: 32sbh + 2as^2b
-  n_kv_heads=K    K and V are 2sbh*K/a each: Q and K 2sbh(1 + K/a), V 2sbh*K/a
+  n_kv_heads=K    K and V are 2sbh*K/a each: Q and K 2sbh(1 + K/a), V 2sbh*K/a; with t > K
+                  each device holds one KV head (replicated t/K times), 2sbh/a, not 2sbh*K/(at)
   mlp="swiglu"    gate and up outputs and their product (the down projection's input):
                   6sbF (a fused SwiGLU recomputes silu(gate)); F = d_ff
   flash=True      no s^2 term: the softmax statistics instead, 4asb (float32 lse)
@@ -45,7 +46,7 @@ import dataclasses
 from typing import NamedTuple
 
 from jaxpar import errors
-from jaxpar.errors import ConfigError, is_whole
+from jaxpar.errors import ConfigError
 
 RECOMPUTE = ("none", "selective", "full")
 GB = 1e9
@@ -90,6 +91,7 @@ class Term(NamedTuple):
     bytes: float       # for the whole layer, before any split
     split: str         # "tp": split by tensor parallelism; "sp": only by sequence parallelism
     quadratic: bool    # an s^2 term (dropped by selective recompute)
+    kv: float = 0.0    # of `bytes`, the K or V heads': split over at most n_kv_heads devices
 
 
 def layer_terms(block: Block, *, seq_len: int, batch_size: int) -> list[Term]:
@@ -100,7 +102,7 @@ def layer_terms(block: Block, *, seq_len: int, batch_size: int) -> list[Term]:
     x = block.act_bytes * s * b * h            # one [s, b, h] activation
     kv = x * k / a
     terms = [Term("attention norm input", x, "sp", False), Term("QKV input (norm output)", x, "sp", False),
-             Term("Q and K", x + kv, "tp", False)]
+             Term("Q and K", x + kv, "tp", False, kv=kv)]
     if block.flash:
         terms.append(Term("softmax statistics (lse)", 4 * a * s * b, "tp", False))
     else:
@@ -109,7 +111,7 @@ def layer_terms(block: Block, *, seq_len: int, batch_size: int) -> list[Term]:
         if block.dropout:
             terms += [Term("softmax dropout mask", scores / block.act_bytes, "tp", True),
                       Term("dropout output", scores, "tp", True)]
-    terms += [Term("V", kv, "tp", False), Term("output projection input", x, "tp", False)]
+    terms += [Term("V", kv, "tp", False, kv=kv), Term("output projection input", x, "tp", False)]
     if block.dropout:
         terms.append(Term("attention dropout mask", x / block.act_bytes, "sp", False))
     terms += [Term("MLP norm input", x, "sp", False), Term("MLP input (norm output)", x, "sp", False)]
@@ -138,6 +140,11 @@ def breakdown(block: Block, *, seq_len: int, batch_size: int = 1, tp: int = 1, s
         errors.whole(name, value)
     errors.flag("sp", sp)
     errors.one_of("recompute", recompute, RECOMPUTE)
+    if block.n_heads % tp or (block.n_kv_heads % tp and tp % block.n_kv_heads):
+        raise ConfigError(f"tp={tp} splits neither the {block.n_heads} heads nor the {block.n_kv_heads} KV heads "
+                          f"evenly: tensor parallelism gives each device n_heads/tp heads and n_kv_heads/tp KV heads "
+                          f"(or one KV head, replicated, where tp is a multiple of n_kv_heads); use a tp that divides "
+                          f"{block.n_heads}")
     if seq_len % cp:
         raise ConfigError(f"seq_len={seq_len} is not divisible by cp={cp}: each cp rank holds seq_len/cp tokens")
     if sp and seq_len % (tp * cp):
@@ -151,7 +158,10 @@ def breakdown(block: Block, *, seq_len: int, batch_size: int = 1, tp: int = 1, s
     for t in layer_terms(ring, seq_len=s, batch_size=batch_size):
         if t.quadratic and recompute == "selective":
             continue
-        out.append((t.name, t.bytes / (tp if t.split == "tp" or sp else 1)))
+        if t.split == "tp":      # K and V heads past n_kv_heads devices are replicated, not split
+            out.append((t.name, (t.bytes - t.kv) / tp + t.kv / min(tp, block.n_kv_heads)))
+        else:
+            out.append((t.name, t.bytes / (tp if sp else 1)))
     return out
 
 
@@ -185,20 +195,3 @@ def first_stage_bytes(block: Block, *, n_layers: int, seq_len: int, batch_size: 
     per_stage = -(-n_layers // pp)
     return per_stage * layer_bytes(block, seq_len=seq_len, batch_size=batch_size, tp=tp, sp=sp, cp=cp,
                                    recompute=recompute) * float(in_flight)
-
-
-def stage_bytes(per_layer: float, *, layers: int, device: int, pp: int, in_flight: float) -> float:
-    """Activation bytes at its peak on pipeline device `device` (0 .. pp-1) holding `layers`
-    layers (its own count: uneven stages differ) of `per_layer` bytes each (`layer_bytes`:
-    one layer's on one device, under its tp, sp, cp and recompute). `in_flight` is the
-    first device's microbatches in flight, in whole stages (`pipeline.formulas.in_flight`);
-    device d of a 1F1B-like schedule holds p - d of the first one's p, so it is scaled by
-    (pp - d)/pp. With even stages the first device's is `first_stage_bytes`'s; with uneven
-    ones the peak may sit on a later, heavier device."""
-    errors.whole("layers", layers)
-    errors.whole("pp", pp)
-    if not is_whole(device) or not 0 <= device < pp:
-        raise ConfigError(f"device={device!r}: a pipeline device 0 .. {pp - 1}")
-    errors.number("in_flight", in_flight, fix="give the first stage's microbatches in flight, e.g. "
-                  "pipeline.formulas.in_flight('1f1b', p=8, m=64) = 8")
-    return layers * per_layer * float(in_flight) * (pp - device) / pp

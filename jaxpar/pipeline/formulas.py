@@ -16,6 +16,7 @@ from jaxpar.comms import Collectives
 from jaxpar.errors import ConfigError
 from jaxpar.schedules import orders
 from jaxpar.pipeline import plan as plan_lib
+from jaxpar.schedules import schedule as schedule_lib
 from jaxpar.schedules.schedule import Schedule
 from jaxpar.schedules.timing import Costs
 
@@ -44,11 +45,13 @@ IN_FLIGHT: dict[str, Callable[[int, int, int], float]] = {
 }
 
 
-def bubble(name: str, p: int, m: int, chunks: int = 1) -> float:
+def bubble(name: str, p: int, m: int, chunks: int | None = None) -> float:
     """Idle time / total time of jaxpar's `name` table with the default costs: the form
     of BUBBLES its registry entry names (`orders.Kind.bubble`). The zero-bubble schedules
-    have none: their figures are read off their tables."""
-    form = orders.REGISTRY[name].bubble if name in orders.REGISTRY else None
+    have none: their figures are read off their tables. Sizes the schedule refuses
+    (`schedule.check`) raise ConfigError, as building its table would."""
+    kind, chunks = schedule_lib.check(name, p, m, chunks, table=False)
+    form = kind.bubble
     if form is None:
         with_form = [n for n, kind in orders.REGISTRY.items() if kind.bubble]
         raise ConfigError(f"no closed-form bubble for {name!r}: one of {', '.join(with_form)} (the others are "
@@ -96,15 +99,33 @@ def bubble_time(name: str, p: int, m: int, costs: Costs) -> float:
     return form(*values)
 
 
-def in_flight(name: str, *, p: int, m: int, chunks: int = 1) -> float:
+def in_flight(name: str, *, p: int, m: int, chunks: int | None = None) -> float:
     """Microbatches whose activations the first stage holds at its peak, in units of a
     whole stage's activations: the form of IN_FLIGHT its registry entry names
-    (`orders.Kind.in_flight`). `memory.activations.first_stage_bytes` takes it."""
-    for what, value in (("p", p), ("m", m), ("chunks", chunks)):
-        errors.whole(what, value)
-    if name not in orders.REGISTRY:
-        raise ConfigError(f"unknown schedule {name!r}: one of {', '.join(orders.REGISTRY)}")
-    return float(IN_FLIGHT[orders.REGISTRY[name].in_flight](p, m, chunks))
+    (`orders.Kind.in_flight`). `memory.activations.first_stage_bytes` takes it. Sizes the
+    schedule refuses (`schedule.check`; chunks: its default for None) raise ConfigError."""
+    kind, chunks = schedule_lib.check(name, p, m, chunks, table=False)
+    return float(IN_FLIGHT[kind.in_flight](p, m, chunks))
+
+
+# Past 4p microbatches no device's peak grows (the warm-up and the drain are fixed and the
+# steady state repeats; tests/pipeline/test_formulas.py holds it for random stage weights),
+# except where every forward runs before any backward (GPipe: m times one microbatch's).
+PEAK_MICROBATCHES = 4
+
+
+def device_peaks(name: str, *, p: int, m: int, chunks: int | None = None, stage_weights) -> list[float]:
+    """Per pipeline device, the most activations it holds at once, with each model stage's
+    activations per microbatch weighing its entry of `stage_weights` (one per virtual stage:
+    its layers, say): read off the schedule's own table (`Schedule.weighted_peaks`), so exact
+    where stages differ and a device's chunks differ in size. Built with at most
+    PEAK_MICROBATCHES x p microbatches, beyond which the peaks are the same."""
+    kind, chunks = schedule_lib.check(name, p, m, chunks, table=False)
+    if kind.in_flight == "all":
+        one = schedule_lib.make(name, p, 1, chunks).weighted_peaks(stage_weights)
+        return [float(m * w) for w in one]
+    table = schedule_lib.make(name, p, min(m, PEAK_MICROBATCHES * p), chunks)
+    return [float(w) for w in table.weighted_peaks(stage_weights)]
 
 
 def _rows(batch_size, features, dp, m) -> int:

@@ -49,6 +49,8 @@ from jaxpar.planner.catalog import Accelerator, Model
 from jaxpar.tensor import formulas as tensor_formulas
 
 ACT_DTYPE = "float16"   # 2 bytes, as bf16 (numpy has no bfloat16)
+MAX_GPUS = 1 << 24      # past any cluster (the largest run 100k to 200k GPUs): a larger size is a typo
+MAX_TOKENS = 1 << 36    # tokens in one global batch: 4,000 times Llama 3's 16M
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,7 +60,7 @@ class Cluster:
     mfu: float = 0.5
 
     def __post_init__(self):
-        errors.whole("gpus", self.gpus)
+        errors.whole("gpus", self.gpus, maximum=MAX_GPUS)
         if self.gpus > 1 and self.gpus % self.gpu.per_node:
             raise ConfigError(f"gpus={self.gpus} is not a multiple of the {self.gpu.per_node} {self.gpu.name} per "
                               f"node: use a multiple of {self.gpu.per_node}")
@@ -80,6 +82,11 @@ class Candidate:
     # model, every device ceil(n_layers / pp) layers and the bubble's closed form)
     layers_per_stage: tuple[int, ...] | None = None
 
+    def __post_init__(self):
+        for name in ("tp", "pp", "dp", "cp", "ep", "chunks", "microbatch_size"):
+            errors.whole(name, getattr(self, name), maximum=MAX_GPUS)
+        errors.one_of("recompute", self.recompute, activations.RECOMPUTE)
+
     @property
     def schedule(self) -> str:
         """The lecture's schedule (`orders.DEFAULT`), or its chunked form with chunks > 1."""
@@ -95,8 +102,9 @@ class Candidate:
 def sequences(tokens, seq_len) -> int:
     """The sequences of seq_len tokens in a global batch of `tokens`."""
     errors.whole("seq_len", seq_len)
-    if not isinstance(tokens, (int, float)) or isinstance(tokens, bool) or tokens <= 0:
-        raise ConfigError(f"tokens={tokens!r}: the global batch in tokens, e.g. 16 * 2**20")
+    if not isinstance(tokens, (int, float)) or isinstance(tokens, bool) or not 0 < tokens <= MAX_TOKENS:
+        raise ConfigError(f"tokens={tokens!r}: the global batch in tokens, a number in (0, {MAX_TOKENS:.3g}], "
+                          "e.g. 16 * 2**20")
     n = tokens / seq_len
     if n < 1 or abs(n - round(n)) > 1e-9:
         raise ConfigError(f"a global batch of {tokens:g} tokens is not a whole number of {seq_len}-token sequences: "
@@ -316,10 +324,12 @@ def split_label(layers_per_stage: tuple[int, ...]) -> str:
 def _uneven_memory(model: Model, c: Candidate, *, m: int, seq_len: int, zero: int, activation_model: str) -> dict:
     """`memory_per_gpu` with uneven stages: per device, the states of its own layers (the
     embedding on the first, the head on the last) and its activations at its peak
-    (`activations.stage_bytes`: its layers, in flight as its place in the pipeline
-    says); the device of the largest total."""
+    (`pipeline.formulas.device_peaks`: the layers x microbatches it holds at once, read
+    off the schedule's table with each stage weighing its layers); the device of the
+    largest total."""
     counts = device_layers(c.layers_per_stage, c.pp, c.chunks)
-    in_flight = pipeline_formulas.in_flight(c.schedule, p=c.pp, m=m, chunks=c.chunks)
+    held_layers = pipeline_formulas.device_peaks(c.schedule, p=c.pp, m=m, chunks=c.chunks,
+                                                 stage_weights=c.layers_per_stage)
     per_layer = activations.layer_bytes(block(model, activation_model), seq_len=seq_len, batch_size=c.microbatch_size,
                                         tp=c.tp, sp=c.tp > 1, cp=c.cp, recompute=c.recompute)
     edge = model.d_model * model.vocab                     # the embedding's, or the head's, parameters
@@ -331,7 +341,7 @@ def _uneven_memory(model: Model, c: Candidate, *, m: int, seq_len: int, zero: in
         # state_bytes splits its counts over pp: this device's own, times pp
         st = states.state_bytes(dense=dense * c.pp, experts=held * expert_layer * c.pp, tp=c.tp, pp=c.pp,
                                 dp=c.dp, ep=c.ep, zero=zero)
-        act = activations.stage_bytes(per_layer, layers=held, device=d, pp=c.pp, in_flight=in_flight)
+        act = per_layer * held_layers[d]
         devices.append({"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": act})
     peak = max(devices, key=lambda mem: sum(mem.values()))
     return {**peak, "total": sum(peak.values())}

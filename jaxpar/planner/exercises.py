@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
+from jaxpar import errors
+from jaxpar.errors import ConfigError
 from jaxpar.expert import formulas as expert_formulas
 from jaxpar.pipeline import formulas as pipeline_formulas
 from jaxpar.planner import catalog
@@ -11,9 +15,16 @@ from jaxpar.planner.search import evaluate
 
 def exercise_1(p: int = 8, max_bubble: float = 0.10, microbatch_size: int = 4, seq_len: int = 4096) -> dict:
     """The fewest microbatches with a 1F1B bubble of at most max_bubble, and the tokens
-    of one pipeline's batch: m >= 63 and about 1.03 M tokens for p = 8, 10%."""
-    m = 1
-    while pipeline_formulas.bubble("1f1b", p, m) > max_bubble + 1e-12:
+    of one pipeline's batch: m >= 63 and about 1.03 M tokens for p = 8, 10%. From the
+    bubble (p - 1)/(m + p - 1) <= max_bubble: m >= (p - 1)(1 - max_bubble)/max_bubble."""
+    errors.whole("p", p)
+    errors.whole("microbatch_size", microbatch_size)
+    errors.whole("seq_len", seq_len)
+    if not isinstance(max_bubble, (int, float)) or isinstance(max_bubble, bool) or not 0 < max_bubble < 1:
+        raise ConfigError(f"max_bubble={max_bubble!r}: a fraction of the step in (0, 1), e.g. 0.1 (with p > 1 no "
+                          "number of microbatches reaches a bubble of 0)")
+    m = max(1, math.ceil((p - 1) * (1 - max_bubble) / max_bubble - 1e-9))
+    while pipeline_formulas.bubble("1f1b", p, m) > max_bubble + 1e-12:   # the float rounding of the ceil
         m += 1
     return {"microbatches": m, "bubble": pipeline_formulas.bubble("1f1b", p, m),
             "tokens": m * microbatch_size * seq_len}
@@ -21,7 +32,13 @@ def exercise_1(p: int = 8, max_bubble: float = 0.10, microbatch_size: int = 4, s
 
 def exercise_3(b: int = 1, s: int = 8192, h: int = 8192, t: int = 8) -> dict:
     """One layer under TP t in bf16: bytes each GPU sends per step (forward + backward),
-    NVLink and InfiniBand times, and the layer's compute per GPU on an H100 at 50% MFU."""
+    NVLink and InfiniBand times, and the layer's compute per GPU on an H100 at 50% MFU.
+    The layer has 64 heads: t divides them, h is 64 heads' width."""
+    for name, value in (("b", b), ("s", s), ("h", h), ("t", t)):
+        errors.whole(name, value)
+    errors.divisible("n_heads", 64, "t", t, why="tensor parallelism splits whole heads",
+                     fix="t = 1, 2, 4, 8, 16, 32 or 64")
+    errors.divisible("h", h, "its 64 heads", 64, why="each head is h/64 wide", fix="a multiple of 64, e.g. 8192")
     h100 = catalog.accelerator("h100")
     model = catalog.Model(name="exercise-3", n_layers=1, d_model=h, n_heads=64, n_kv_heads=64, d_ff=4 * h, vocab=1,
                           params=12 * h * h, mlp="gelu")

@@ -280,6 +280,23 @@ def check_sizes(stages, microbatches, chunks) -> None:
                           f"more than the {MAX_ACTIONS:,} a table holds here; use fewer stages or microbatches")
 
 
+def check(name: str, stages, microbatches, chunks=None, *, table: bool = True) -> tuple[orders.Kind, int]:
+    """What `make` refuses before it builds a table, for every figure of a named schedule
+    (a closed form included): an unknown name, sizes that are not whole numbers >= 1 (with
+    `table`, also past what a table holds: `check_sizes`; a closed form has no such bound),
+    sizes the schedule cannot run (`Kind.requires`). Returns the registry entry and the
+    chunks (the schedule's default for None)."""
+    kind = orders.lookup(name)
+    chunks = kind.chunks if chunks is None else chunks
+    if table:
+        check_sizes(stages, microbatches, chunks)
+    else:
+        for what, value in (("stages", stages), ("microbatches", microbatches), ("chunks", chunks)):
+            errors.whole(what, value)
+    kind.requires(name, stages, microbatches, chunks)
+    return kind, chunks
+
+
 def units(chunks: int) -> dict[str, str]:
     """What the figures count: with several chunks per device, an action runs on one chunk,
     1/chunks of a stage, so ticks and live activations are chunk-sized; divide by chunks for
@@ -345,10 +362,7 @@ def make(name: str, stages: int, microbatches: int, chunks: int | None = None,
     Bad input (p, m or v not a whole number >= 1 (True, 2.0, "4") or past any machine, sizes
     the schedule refuses (`Kind.requires`), an unknown name, a bad cost) raises ConfigError
     naming the value and how to fix it."""
-    kind = orders.lookup(name)
-    chunks = kind.chunks if chunks is None else chunks
-    check_sizes(stages, microbatches, chunks)
-    kind.requires(name, stages, microbatches, chunks)
+    kind, chunks = check(name, stages, microbatches, chunks)
     full = dict(DEFAULT_SPLIT_COSTS if kind.split_backward else DEFAULT_COSTS)
     errors.mapping("costs", {} if costs is None else costs, "{'F': 1, 'B': 2}")
     for k, c in (costs or {}).items():

@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+from jaxpar.errors import ConfigError
+
 
 class Send(NamedTuple):
     """A point-to-point send: the output of F (activation, to the next stage) or of B
@@ -51,21 +53,32 @@ class Statistics:
         period = max(spans, default=0)
         return 1 - sum(self.busy_time) / (self.stages * period) if period else 0.0
 
-    def _peak(self, until: str) -> list[int]:
+    def _peak(self, until: str, weights=None) -> list:
+        """Per device, the most live microbatch-chunks from the start of F to the end of
+        `until`, each counted 1 or, with `weights`, its model stage's weight."""
         peaks = []
         for d, prog in enumerate(self._programs):
             events = []
             for t, a in prog:
+                w = 1 if weights is None else weights[self.stage_of(d, a.chunk)]
                 if a.kind == "F":
-                    events.append((t, 1))
+                    events.append((t, 1, w))
                 elif a.kind == until:
-                    events.append((t + self.cost(a), -1))
+                    events.append((t + self.cost(a), 0, -w))
             live = peak = 0
-            for _, delta in sorted(events):  # at a tie, the free (-1) sorts before the new F
+            for _, _, delta in sorted(events):  # at a tie, the free (0) sorts before the new F (1)
                 live += delta
                 peak = max(peak, live)
             peaks.append(peak)
         return peaks
+
+    def weighted_peaks(self, weights) -> list:
+        """`peak_activations` with each microbatch-chunk weighted by its model stage's entry
+        of `weights` (one per virtual stage, e.g. its layers): uneven stages' activation
+        peaks, in layers x microbatches, exact where a device's chunks differ in size."""
+        if len(weights) != self.virtual_stages:
+            raise ConfigError(f"{len(weights)} weights for {self.virtual_stages} stages: give one per stage")
+        return self._peak("B", weights)
 
     @functools.cached_property
     def peak_activations(self) -> list[int]:

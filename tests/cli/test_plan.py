@@ -30,6 +30,21 @@ def test_plan_one_config(capsys):
     code, out, _ = run(capsys, "plan", "--config", "tp=8,pp=16,dp=128,recompute=full", "--json")
     data = json.loads(out)
     assert code == 0 and data["m"] == 16 and abs(data["bubble"] - 15 / 31) < 1e-12
+    # dp left out: the GPUs tp x pp leave; the labels the table prints (mb=, v=) read back
+    code, out, _ = run(capsys, "plan", "--config", "tp=8,pp=16,recompute=full,mb=1,v=2", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["config"] == "tp=8 pp=16 dp=128 v=2 mb=1 full"
+
+
+def test_memory_takes_each_schedules_own_chunks(capsys):
+    """interleaved without --chunks runs its default 2 chunks: p + (p-1)/v = 23.5 whole
+    stages in flight at p = 16, as with --chunks 2 (1F1B: 16)."""
+    base = ("memory", "--model", "gpt3-175b", "--tp", "8", "--sp", "--pp", "16", "--microbatches", "64", "--json")
+    figures = {}
+    for extra in (("--schedule", "interleaved"), ("--schedule", "interleaved", "--chunks", "2"), ()):
+        code, out, _ = run(capsys, *base, *extra)
+        figures[extra] = json.loads(out)["in_flight"]
+    assert list(figures.values()) == [23.5, 23.5, 16.0]
 
 
 def test_memory_and_exercises(capsys):
@@ -49,7 +64,22 @@ def test_memory_and_exercises(capsys):
     (("plan", "--tokens", "1000"), "not a whole number of 8192-token sequences"),
     (("plan", "--tokens", "lots"), "--tokens 'lots'"),
     (("plan", "--gpus", "8"), "fits no configuration on 8 h100: the closest"),
-    (("plan", "--config", "tq=8"), "'tq' is not one of tp, pp"),
+    (("plan", "--config", "tq=8"), "--config: 'tq=8' is not key=value with a key of tp, pp"),
+    (("plan", "--config", "tp=8,tp=4"), "--config: tp is given twice"),
+    (("plan", "--config", "tp=x"), "--config tp='x' is not a whole number"),
+    (("plan", "--config", "tp=0,pp=16,dp=128"), "tp=0: need at least 1"),
+    (("plan", "--config", "tp=3,pp=16"), "tp x pp x cp = 48 does not divide the 16384 GPUs"),
+    (("plan", "--tokens", "nan"), "--tokens nan"),
+    (("plan", "--tokens", "1e30"), "--tokens 1e+30"),
+    (("plan", "--cp", "0"), "--cp 0: context-parallel sizes run from 1 to the 16384 GPUs"),
+    (("plan", "--cp", "1,2,x"), "--cp 'x' is not a whole number"),
+    (("plan", "--top", "0"), "--top 0: need at least 1"),
+    (("memory", "--tp", "7"), "--tp 7 splits neither the 96 heads nor the 96 KV heads"),
+    (("memory", "--pp", "200"), "is 200 stages for the 96 layers of gpt3-175b"),
+    (("memory", "--pp", "4", "--schedule", "interleaved", "--microbatches", "6"),
+     "interleaved needs microbatches a multiple of stages"),
+    (("memory", "--pp", "4", "--schedule", "dualpipe-v", "--microbatches", "4"), "--microbatches 4 < 7"),
+    (("memory", "--chunks", "2"), "--chunks 2 applies to interleaved only"),
     (("memory", "--seq", "100", "--tp", "8", "--sp"), "--seq 100 is not divisible by tp x cp = 8"),
 ])
 def test_bad_input_is_one_line(capsys, argv, message):

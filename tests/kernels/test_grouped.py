@@ -22,7 +22,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.expert import dispatch
 from jaxpar.expert import verify as expert_verify
 from jaxpar.expert.verify import moe_inputs
-from jaxpar.kernels import flash, grouped, triton_ir
+from jaxpar.kernels import grouped, triton_ir
 from jaxpar.testing import assert_close, max_abs_diff, precision_policy, tolerance
 from jaxpar.train import ParallelSpec, Trainer, recipe
 from tests.kernels import needs_devices, training, triton_modules

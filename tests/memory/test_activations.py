@@ -63,7 +63,9 @@ def test_in_flight_and_first_stage():
     assert in_flight("gpipe", p=8, m=64) == 64 and in_flight("1f1b", p=8, m=64) == 8
     assert in_flight("interleaved", p=4, m=8, chunks=2) == 5.5   # 11 chunks of half a stage (the runtime's plan)
     assert in_flight("zb-h2", p=4, m=8) == 7 and in_flight("naive", p=4, m=8) == 1
-    assert in_flight("zb-h1", p=4, m=2) == 2 and in_flight("dualpipe-v", p=4, m=8, chunks=2) == 4   # 2p half-stage chunks
+    assert in_flight("zb-h1", p=4, m=4) == 4 and in_flight("dualpipe-v", p=4, m=8, chunks=2) == 4   # 2p half-stage chunks
+    with pytest.raises(ConfigError, match="zb-h1 needs microbatches >= stages"):   # as its table refuses
+        in_flight("zb-h1", p=4, m=2)
     one = A.layer_bytes(GPT3, seq_len=2048, tp=8, sp=True)
     assert A.first_stage_bytes(GPT3, n_layers=96, seq_len=2048, tp=8, sp=True, pp=8,
                                in_flight=in_flight("1f1b", p=8, m=64)) == pytest.approx(12 * one * 8)
@@ -83,6 +85,8 @@ def test_states_and_zero():
 @pytest.mark.parametrize("call,match", [
     (lambda: A.layer_bytes(GPT3, seq_len=2048, recompute="some"), "recompute='some'"),
     (lambda: A.layer_bytes(GPT3, seq_len=2048, cp=3), "seq_len=2048 is not divisible by cp=3"),
+    (lambda: A.layer_bytes(GPT3, seq_len=2048, tp=7), "tp=7 splits neither the 96 heads nor the 96 KV heads"),
+    (lambda: A.layer_bytes(GPT3, seq_len=2048, tp=192), "tp=192 splits neither"),
     (lambda: A.layer_bytes(GPT3, seq_len=100, tp=8, sp=True), "not divisible by tp x cp = 8"),
     (lambda: A.Block(d_model=64, n_heads=6, n_kv_heads=4), "n_heads=6 is not a multiple of n_kv_heads=4"),
     (lambda: in_flight("pipedream", p=2, m=2), "unknown schedule 'pipedream'"),
@@ -93,3 +97,15 @@ def test_states_and_zero():
 def test_bad_input(call, match):
     with pytest.raises(ConfigError, match=match):
         call()
+
+
+def test_kv_heads_past_tp_are_replicated_not_split():
+    """With tp above n_kv_heads each device holds one whole KV head (replicated), so K and
+    V stay 2sbh/a each per device while Q and the rest keep splitting t ways."""
+    gqa = A.Block(d_model=1024, n_heads=16, n_kv_heads=2, d_ff=4096, mlp="swiglu", dropout=False)
+    s, b, h, a = 512, 1, 1024, 16
+    x, head = 2 * s * b * h, 2 * s * b * h / a
+    for tp, kv_devices in ((1, 1), (2, 2), (4, 2), (16, 2)):
+        terms = dict(A.breakdown(gqa, seq_len=s, batch_size=b, tp=tp))
+        assert terms["V"] == pytest.approx(2 * head / kv_devices)
+        assert terms["Q and K"] == pytest.approx(x / tp + 2 * head / kv_devices)

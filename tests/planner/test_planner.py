@@ -80,6 +80,18 @@ def test_rejections_say_why():
     (lambda: S.search(L405, S.Cluster(gpu=H100, gpus=16), tokens=1000, seq_len=8192), "not a whole number of 8192-token"),
     (lambda: S.best(L405, S.Cluster(gpu=H100, gpus=8), tokens=8192 * 8, seq_len=8192), "fits no configuration on 8 h100"),
     (lambda: S.Cluster(gpu=H100, gpus=8, mfu=1.5), r"mfu=1.5"),
+    (lambda: S.Cluster(gpu=H100, gpus=2**40), r"gpus=1099511627776 is more than 16,777,216"),
+    (lambda: S.Candidate(tp=0, pp=16, dp=128), r"tp=0: need at least 1"),
+    (lambda: S.Candidate(tp=8, pp=16, dp=128, microbatch_size=0), r"microbatch_size=0: need at least 1"),
+    (lambda: S.Candidate(tp=8, pp=16, dp=128, cp=2.5), r"cp=2.5 is a float"),
+    (lambda: S.Candidate(tp=8, pp=16, dp=128, recompute="some"), r"recompute='some'"),
+    (lambda: S.sequences(float("nan"), 8192), r"tokens=nan"),
+    (lambda: S.sequences(float("inf"), 8192), r"tokens=inf"),
+    (lambda: S.sequences(1e30, 8192), r"tokens=1e\+30"),
+    (lambda: exercises.exercise_1(max_bubble=0.0), r"max_bubble=0.0: a fraction of the step in \(0, 1\)"),
+    (lambda: exercises.exercise_1(max_bubble=1.0), r"max_bubble=1.0"),
+    (lambda: exercises.exercise_3(t=3), r"n_heads=64 is not divisible by t=3"),
+    (lambda: exercises.exercise_3(t=128), r"n_heads=64 is not divisible by t=128"),
 ])
 def test_bad_input(call, match):
     with pytest.raises(ConfigError, match=match):
@@ -177,6 +189,33 @@ def test_memory_counts_each_stages_own_layers():
     assert balanced.memory["activations"] == pytest.approx(even.memory["activations"] * 8 * 15 / (8 * 16))
     assert heavy_first.memory["activations"] == pytest.approx(even.memory["activations"] * 9 / 8)
     assert heavy_first.memory["total"] > balanced.memory["total"]
+
+
+def test_exercise_1_is_the_fewest_microbatches_for_any_bound():
+    """The closed form m >= (p-1)(1-b)/b against counting up until the bubble fits."""
+    from jaxpar.pipeline import formulas
+
+    for p in range(1, 17):
+        for b in (0.01, 0.05, 0.1, 3 / 11, 1 / 3, 0.5, 0.9):
+            m = exercises.exercise_1(p=p, max_bubble=b)["microbatches"]
+            assert formulas.bubble("1f1b", p, m) <= b + 1e-12
+            assert m == 1 or formulas.bubble("1f1b", p, m - 1) > b + 1e-12, (p, b, m)
+
+
+def test_uneven_interleaved_memory_is_the_tables_peak():
+    """With chunks, a device holds microbatch-chunks of several stages of different sizes:
+    the planner reads each device's peak off the interleaved table, each stage weighing
+    its layers (405B's 126 layers as 2 x 30 then 33, 33 over pp=16, v=2: device 14 holds
+    stages 14 (2 layers) and 30 (33), its peak 131 layer-microbatches, the largest)."""
+    from jaxpar.memory import activations
+    from jaxpar.schedules import schedule
+
+    split = (2,) * 30 + (33, 33)
+    e = est(8, 16, 128, recompute="selective", chunks=2, layers_per_stage=split)
+    peaks = schedule.make("interleaved", 16, e.microbatches, 2).weighted_peaks(split)
+    assert max(peaks) == peaks[14] == 131
+    per_layer = activations.layer_bytes(S.block(L405), seq_len=8192, tp=8, sp=True, recompute="selective")
+    assert e.memory["activations"] == pytest.approx(131 * per_layer)
 
 
 def test_a_split_that_does_not_fit_is_rejected_with_its_reason():

@@ -10,9 +10,10 @@ import re
 from fractions import Fraction
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxpar.errors import ConfigError
 from jaxpar.schedules import schedule as S
 from jaxpar.pipeline import formulas
 from jaxpar.schedules import orders
@@ -244,3 +245,51 @@ def test_every_registry_closed_form_matches_the_table():
     with pytest.raises(ValueError, match="no closed-form bubble for 'zb-h1': one of naive, gpipe, 1f1b, interleaved"):
         formulas.bubble("zb-h1", 4, 8)
     assert orders.REGISTRY[orders.DEFAULT].chunked in orders.REGISTRY
+
+
+def test_closed_forms_refuse_what_the_tables_refuse():
+    """formulas.bubble and formulas.in_flight take exactly the sizes `make` builds a table
+    for (below the table's size bound): p or m of 0, -3 or 4.5, interleaved with m not a
+    multiple of p or one chunk, DualPipe-V with m < 2p - 1, chunks for a schedule without
+    them all raise ConfigError, never a number."""
+    compared = 0
+    for name, kind in orders.REGISTRY.items():
+        for p in (0, 1, 2, 3, 4, 4.5, -3):
+            for m in (0, 1, 2, 3, 5, 6, 7, 8):
+                for v in (None, 0, 1, 2, 3):
+                    try:
+                        S.make(name, p, m, v)
+                        built = True
+                    except ConfigError:
+                        built = False
+                    forms = [lambda: formulas.in_flight(name, p=p, m=m, chunks=v)]
+                    if kind.bubble is not None:
+                        forms.append(lambda: formulas.bubble(name, p, m, v))
+                    for form in forms:
+                        if built:
+                            assert form() >= 0, (name, p, m, v)
+                        else:
+                            with pytest.raises(ConfigError):
+                                form()
+                        compared += 1
+    assert compared > 1000
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(1, 6), v=st.integers(2, 4), data=st.data())
+def test_device_peaks_are_the_tables_weighted_peaks(p, v, data):
+    """formulas.device_peaks (built with at most 4p microbatches) equals the whole table's
+    peaks with each stage weighted by a drawn weight (its layers), at any m up to 10p; with
+    weights of 1 it is the table's peak_activations."""
+    for name, kind in orders.REGISTRY.items():
+        chunks = v if kind.takes_chunks else kind.chunks
+        weights = data.draw(st.lists(st.integers(1, 9), min_size=p * chunks, max_size=p * chunks))
+        m = data.draw(st.integers(1, 10)) * p if kind.takes_chunks else data.draw(st.integers(1, 10 * p))
+        try:
+            table = S.make(name, p, m, chunks)
+        except ConfigError:
+            continue
+        got = formulas.device_peaks(name, p=p, m=m, chunks=chunks, stage_weights=weights)
+        assert got == table.weighted_peaks(weights), (name, p, m, chunks, weights)
+        assert formulas.device_peaks(name, p=p, m=m, chunks=chunks, stage_weights=[1] * (p * chunks)) == \
+            table.peak_activations

@@ -63,10 +63,18 @@ def _print(results, as_json: bool) -> int:
     return 0 if all(r.passed for r in results) else 1
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose refusals (a flag's type, an unknown choice, a missing
+    argument) are one line and exit 2, as a ConfigError's: no usage block before them."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from jaxpar.cli import devices, tour
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="jaxpar",
         description="LLM-training parallelism in JAX (CS336 lecture 8), checked against a reference.",
     )
@@ -104,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     sys.unraisablehook = _quiet_closed_loops
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)    # the same reads' futures, never retrieved
-    logging.getLogger("absl").setLevel(logging.ERROR)          # orbax's notes (a step without metadata, ...)
+    # orbax's notes and its errors on a damaged checkpoint (whose refusal is the one line)
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:

@@ -93,14 +93,28 @@ def _reorder(x, axis: int, cp: int, perm: np.ndarray):
     return x.reshape(split)[index].reshape(shape)
 
 
+def sequence_axis(x, axis) -> int:
+    """`axis` as an index into x's dimensions (-rank .. rank-1 accepted), if x is an array
+    and `axis` a whole number in range (ConfigError otherwise)."""
+    shape = errors.array("x", x, nonempty=False, shape_doc="x with a sequence axis, e.g. q[batch, seq, heads, "
+                         "head_dim]")
+    if not errors.is_whole(axis) or not -len(shape) <= axis < len(shape):
+        raise ConfigError(f"axis={axis!r}: x has shape {shape} (rank {len(shape)}), so its sequence axis is one of "
+                          f"{-len(shape)} .. {len(shape) - 1}. Fix: the index of the sequence, e.g. axis=1 for "
+                          "x[batch, seq, ...]")
+    return int(axis) % len(shape)
+
+
 def to_layout(x, cp: int, layout: str, *, axis: int = 1):
     """x with its sequence axis reordered into `layout` (a no-op for contiguous)."""
+    axis = sequence_axis(x, axis)
     check_sequence(int(x.shape[axis]), cp, layout)
     return x if layout == "contiguous" else _reorder(x, axis, cp, order(cp, layout))
 
 
 def from_layout(x, cp: int, layout: str, *, axis: int = 1):
     """The inverse of to_layout: the sequence axis back in natural order."""
+    axis = sequence_axis(x, axis)
     check_sequence(int(x.shape[axis]), cp, layout)
     return x if layout == "contiguous" else _reorder(x, axis, cp, np.argsort(order(cp, layout)))
 

@@ -50,15 +50,28 @@ def check_layout(tree, pspecs, *, batch_axes: Sequence[str] = (), extra: Sequenc
                           "the same structure" + (f" ({bad[0]!r} is a {type(bad[0]).__name__})" if bad else ""))
 
 
+def check_bound(axes: Sequence[str], *, caller: str) -> None:
+    """Refuse (ConfigError) a mesh axis of `axes` that no enclosing shard_map binds: per-shard
+    code called outside shard_map (or over a mesh without that axis)."""
+    for a in axes:
+        try:
+            jax.lax.axis_size(a)
+        except NameError:
+            raise ConfigError(f"{caller} sums over mesh axis {a!r}, which nothing binds here: it is per-shard "
+                              f"code. Fix: call it inside jax.shard_map over a mesh with a {a!r} axis") from None
+
+
 def reduce_gradients(grads, pspecs, *, batch_axes: Sequence[str], extra: Sequence[str] = ()):
     """Each leaf of `grads` (this device's share) psum'd over the batch axes its
     PartitionSpec in `pspecs` (the same structure) does not split, and over `extra`
     (e.g. pp, for a weight only one pipeline stage's device holds a gradient of). Per
-    shard: call inside shard_map. Leaves stay their local shape; an empty sum is no op."""
+    shard: call inside shard_map (ConfigError outside, for an axis it would sum over).
+    Leaves stay their local shape; an empty sum is no op."""
     check_layout(grads, pspecs, batch_axes=batch_axes, extra=extra)
 
     def one(g, pspec):
         over = formulas.summed_axes(pspec_axes(pspec), batch_axes, extra)
+        check_bound(over, caller="reduce_gradients")
         return jax.lax.psum(g, over) if over else g
     return jax.tree.map(one, grads, pspecs)
 

@@ -60,9 +60,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import errors
 from jaxpar.collectives import varying_axes
 from jaxpar.data.formulas import summed_axes
-from jaxpar.data.reduce import check_layout
+from jaxpar.data.reduce import check_bound, check_layout
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import DP, pspec_axes
 
@@ -94,18 +95,49 @@ def zero_dim(local: Sequence[int], dp: int, *, skip: int = 0, first: bool = Fals
 def plan(shapes, pspecs, *, sizes: Mapping[str, int], axis: str = DP, skip: int = 0, first: bool = False):
     """Per leaf of `shapes` (global shapes, laid out as `pspecs` on a mesh of axis
     `sizes`): the dimension ZeRO splits its optimizer state along over `axis` (zero_dim of
-    its local shard; -1 everywhere when the axis is one device). skip: leading dimensions
-    never split (a stage layout's pp dimension). first: the first dimension dp divides,
-    not the largest (`zero_dim`)."""
-    check_layout(shapes, pspecs)
-    unknown = sorted({a for s in jax.tree.leaves(pspecs, is_leaf=_is_pspec) for a in pspec_axes(s)} - set(sizes))
-    if unknown:
-        raise ConfigError(f"pspecs name axes {unknown}; the mesh has {dict(sizes)}: name only its axes")
+    its local shard; -1 everywhere when the axis is one device, or absent from `sizes`: a
+    mesh without it). skip: leading dimensions never split (a stage layout's pp
+    dimension). first: the first dimension dp divides, not the largest (`zero_dim`).
+    Checked first (`check_plan`)."""
+    check_plan(shapes, pspecs, sizes=sizes, axis=axis, skip=skip, first=first)
     dp = sizes.get(axis, 1)
     if dp == 1:
         return jax.tree.map(lambda _: -1, shapes)
     return jax.tree.map(lambda a, s: zero_dim(local_shape(a.shape, s, sizes), dp, skip=skip, first=first),
                         shapes, pspecs)
+
+
+def check_plan(shapes, pspecs, *, sizes, axis, skip, first) -> None:
+    """Refuse (ConfigError) what `plan` cannot read: pspecs not one PartitionSpec per leaf,
+    a leaf that is not an array (or ShapeDtypeStruct), sizes not whole numbers >= 1 by
+    axis name, a pspec naming an axis `sizes` lacks or more dimensions than its leaf has,
+    a dimension its pspec's axes do not divide, skip not a whole number >= 0, first not a
+    bool."""
+    check_layout(shapes, pspecs)
+    errors.mapping("sizes", sizes, "mesh.shape")
+    for name, n in sizes.items():
+        errors.whole(f"sizes[{name!r}]", n, fix="give each mesh axis its device count, e.g. sizes=mesh.shape")
+    if not isinstance(axis, str):
+        raise ConfigError(f"axis={axis!r}: give the name of the mesh axis ZeRO splits over, e.g. axis='dp'")
+    errors.whole("skip", skip, minimum=0, fix="skip counts the leading dimensions never split, e.g. skip=1")
+    errors.flag("first", first)
+    unknown = sorted({a for s in jax.tree.leaves(pspecs, is_leaf=_is_pspec) for a in pspec_axes(s)} - set(sizes))
+    if unknown:
+        raise ConfigError(f"pspecs name axes {unknown}; the mesh has {dict(sizes)}: name only its axes")
+    leaves = jax.tree_util.tree_leaves_with_path(shapes)
+    for (path, a), pspec in zip(leaves, jax.tree.leaves(pspecs, is_leaf=_is_pspec)):
+        where = f"shapes{jax.tree_util.keystr(path)}"
+        shape = errors.array(where, a, nonempty=False)
+        if len(pspec) > len(shape):
+            raise ConfigError(f"{where} has shape {shape} but its pspec {pspec} names {len(pspec)} dimensions: "
+                              f"give a pspec of at most {len(shape)} entries")
+        for d, entry in enumerate(pspec):
+            axes = sorted(pspec_axes(P(entry)))
+            if axes:
+                n = math.prod(sizes[x] for x in axes)
+                errors.divisible(f"dimension {d} of {where}", shape[d], " x ".join(axes), n,
+                                 why=f"its pspec {pspec} splits it {n} ways, one piece per device",
+                                 fix="a pspec whose axes divide the dimension, or a mesh that does")
 
 
 def state_pspec(pspec: P, dim: int, ndim: int, *, axis: str = DP) -> P:
@@ -134,6 +166,7 @@ def reduce_scatter_gradients(grads, pspecs, dims, *, batch_axes: Sequence[str], 
 
     def one(g, pspec, dim):
         over = summed_axes(pspec_axes(pspec), batch_axes, extra)
+        check_bound(over, caller="reduce_scatter_gradients")
         if dim < 0:
             return jax.lax.psum(g, over) if over else g
         rest = tuple(a for a in over if a != axis)

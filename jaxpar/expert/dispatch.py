@@ -44,7 +44,7 @@ from jaxpar import errors
 from jaxpar import mesh as mesh_lib
 from jaxpar import reference
 from jaxpar.expert.formulas import capacity
-from jaxpar.expert.grouped import KERNELS, grouped_moe
+from jaxpar.expert.grouped import KERNELS, MLPS, grouped_moe
 from jaxpar.expert.router import check_route, check_top_k, expert_load, select_experts
 from jaxpar.errors import ConfigError
 from jaxpar.kernels import flash
@@ -52,7 +52,6 @@ from jaxpar.kernels import grouped as grouped_kernel
 from jaxpar.mesh import DP, EP
 
 DROPS = ("position", "probability")
-MLPS = ("gelu", "swiglu")
 EXPERT_WEIGHTS = ("w_up", "w_gate", "w_down")
 
 
@@ -152,9 +151,12 @@ def ep_moe_shard(p: dict, x, *, axis=EP, options: MoEOptions, bias=None, routing
 
 
 def check_expert_weights(p: dict, *, mlp: str, leading: int, why: str) -> None:
-    """Refuse expert weights (w_up, w_down, and w_gate for SwiGLU) that are missing or
-    whose leading (expert) axis is not `leading` (`why` says why it must be)."""
+    """Refuse expert weights (w_up, w_down, and w_gate for SwiGLU) that are missing, not
+    float [E, ., .] arrays, or whose leading (expert) axis is not `leading` (`why` says
+    why it must be)."""
     for name in ("w_up", "w_down") + (("w_gate",) if mlp == "swiglu" else ()):
+        if name in p:
+            errors.array(name, p[name], ndim=3, kinds="f", shape_doc=f"expert weight {name}[experts, d_in, d_out]")
         if name not in p or p[name].shape[0] != leading:
             got = "missing" if name not in p else f"shape {tuple(p[name].shape)}"
             raise ConfigError(f"expert weight {name} is {got}: {why}, so it needs leading size {leading}")

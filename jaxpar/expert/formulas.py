@@ -52,7 +52,11 @@ class MoESizes(Protocol):
 def capacity(tokens: int, top_k: int, n_experts: int, capacity_factor) -> int:
     """Slots per expert per source device: ceil(capacity_factor * tokens * k / E), at
     least 1, at most `tokens`; `tokens` when capacity_factor is None (dropless: a token
-    picks an expert at most once, so one device never sends an expert more)."""
+    picks an expert at most once, so one device never sends an expert more). tokens,
+    top_k and n_experts are whole numbers >= 1 (ConfigError)."""
+    errors.whole("tokens", tokens, fix="tokens is the count one device routes, e.g. tokens=4096")
+    errors.whole("top_k", top_k, fix="top_k is the number of experts per token, e.g. top_k=2")
+    errors.whole("n_experts", n_experts, fix="n_experts counts the experts, e.g. n_experts=8")
     if capacity_factor is None:
         return tokens
     cf = errors.number("capacity_factor", capacity_factor,

@@ -41,10 +41,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxpar import errors
+from jaxpar.errors import ConfigError
 from jaxpar.kernels import grouped as grouped_kernel
 
 KERNELS = ("xla", "pallas")
+MLPS = ("gelu", "swiglu")       # each expert's FFN
 
 BLOCKS_PER_EXPERT = 2
 """Blocks an expert fills at an even load (t*k/E rows): b = t*k / (E * this)."""
@@ -98,15 +102,47 @@ def block_experts(p: dict, h, matmul, mlp: str):
     return matmul(up, p["w_down"])
 
 
+def check_grouped_inputs(p: dict, x, experts, weights, *, mlp: str, kernel: str) -> int:
+    """Refuse (ConfigError) what `grouped_moe` cannot run: mlp not in MLPS, kernel not in
+    KERNELS, expert weights that are not float [E, ., .] arrays, x not a float [t, D]
+    array, experts not an int [t, k] array, weights not a float array of experts' shape,
+    and, where experts is concrete (not a jax.core.Tracer: under jit only its shape is
+    known), an expert id outside [0, E). Returns E."""
+    errors.one_of("mlp", mlp, MLPS)
+    errors.one_of("kernel", kernel, KERNELS)
+    errors.mapping("p", p, "reference.layer_params(params, 0)")
+    for name in ("w_up", "w_down") + (("w_gate",) if mlp == "swiglu" else ()):
+        if name not in p:
+            raise ConfigError(f"p has no {name!r}: give the experts' weights (w_up [E, D, F], w_down [E, F, D], "
+                              "and w_gate for SwiGLU), e.g. reference.layer_params(params, 0)")
+        errors.array(name, p[name], ndim=3, kinds="f", shape_doc=f"{name}[n_experts, d_in, d_out]")
+    E = p["w_up"].shape[0]
+    t, _ = errors.array("x", x, ndim=2, kinds="f", shape_doc="x[tokens, d_model]")
+    shape = errors.array("experts", experts, ndim=2, kinds="iu", shape_doc="experts[tokens, top_k] of expert ids")
+    if shape[0] != t:
+        raise ConfigError(f"experts has shape {shape} for x of {t} tokens: one row of expert ids per token. "
+                          "Fix: pass router.route(router, x, ...).experts")
+    if errors.array("weights", weights, ndim=2, kinds="f", shape_doc="weights[tokens, top_k]") != shape:
+        raise ConfigError(f"weights has shape {tuple(weights.shape)}, experts {shape}: one gate per chosen "
+                          "expert. Fix: pass the weights and experts of one router.route")
+    if not isinstance(experts, jax.core.Tracer):
+        ids = np.asarray(experts)
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= E:
+            raise ConfigError(f"experts holds ids from {lo} to {hi}, outside [0, n_experts={E}): each names one "
+                              "of the experts w_up holds. Fix: route with a router of E columns")
+    return E
+
+
 def grouped_moe(p: dict, x, experts, weights, *, mlp: str, kernel: str = "xla"):
     """The MoE layer of one device holding all E experts (p: "w_up" [E, D, F], "w_down"
     [E, F, D], and "w_gate" for SwiGLU) on tokens x [t, D] routed to experts [t, k] with
     gates weights [t, k]: (y [t, D], assignments per expert [E] int32, all kept). kernel:
     "xla" (block_matmul's batched einsums) or "pallas" (kernels.grouped; D and F as its
-    `fits` says, checked by the caller)."""
+    `fits` says, checked by the caller). Checked first (`check_grouped_inputs`)."""
+    E = check_grouped_inputs(p, x, experts, weights, mlp=mlp, kernel=kernel)
     t, D = x.shape
     k = experts.shape[1]
-    E = p["w_up"].shape[0]
     b = grouped_kernel.TILE_ROWS if kernel == "pallas" else block_rows(t * k, E)
     slot, block_expert, sizes = block_slots(experts, E, b)
     rows = block_expert.shape[0] * b

@@ -77,10 +77,11 @@ def check_route(router, d_model: int, *, top_k, scoring, bias=None, n_experts: i
 
 
 def route(router, x, *, top_k: int, scoring: str = "softmax", renormalize: bool = True, bias=None) -> Routing:
-    """Route tokens x [t, D] with router [D, E], checked first (check_route): scores by
-    `scoring` (softmax, or DeepSeek-V3's sigmoid). `bias` [E] (sigmoid only) shifts the
-    choice, not the weights."""
-    check_route(router, x.shape[-1], top_k=top_k, scoring=scoring, bias=bias)
+    """Route tokens x [t, D] (a float array, at least one token) with router [D, E],
+    checked first (check_route): scores by `scoring` (softmax, or DeepSeek-V3's sigmoid).
+    `bias` [E] (sigmoid only) shifts the choice, not the weights."""
+    _, D = errors.array("x", x, ndim=2, kinds="f", shape_doc="x[tokens, d_model]")
+    check_route(router, D, top_k=top_k, scoring=scoring, bias=bias)
     return select_experts(router, x, top_k=top_k, scoring=scoring, renormalize=renormalize, bias=bias)
 
 

@@ -34,11 +34,14 @@ class States(NamedTuple):
 def state_bytes(*, dense: float, experts: float = 0, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1,
                 zero: int = 1, precision: str = "mixed") -> States:
     """Bytes per device of parameters, gradients and optimizer state, for `dense` and
-    `experts` parameter counts."""
+    `experts` parameter counts (finite real numbers >= 0; ConfigError otherwise)."""
+    dense = errors.number("dense", dense, zero=True, fix="dense is the dense parameter count, e.g. dense=8e9")
+    experts = errors.number("experts", experts, zero=True,
+                            fix="experts is the expert parameter count, e.g. experts=0 for a dense model")
     for name, value in (("tp", tp), ("pp", pp), ("dp", dp), ("ep", ep)):
         errors.whole(name, value)
     errors.one_of("precision", precision, tuple(PRECISIONS))
-    if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
+    if not errors.is_whole(zero) or zero not in (0, 1, 2, 3):
         raise ConfigError(f"zero={zero!r}: ZeRO stage 0, 1, 2 or 3")
     if experts and dp % ep:
         raise ConfigError(f"dp={dp} is not divisible by ep={ep}: expert parallelism shares the data-parallel "

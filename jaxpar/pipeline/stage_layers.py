@@ -12,7 +12,7 @@ a device runs in one step are counted by `plan.Plan.layer_runs`. Pure Python: no
 
 from __future__ import annotations
 
-from jaxpar.errors import ConfigError, is_whole
+from jaxpar.errors import ConfigError, is_whole, whole
 
 
 def layer_split(layers_per_stage, n_layers: int, n_stages: int, *, what: str = "layers_per_stage") -> tuple[int, ...]:
@@ -23,9 +23,10 @@ def layer_split(layers_per_stage, n_layers: int, n_stages: int, *, what: str = "
     embedding and the LM head, hold fewer layers. ConfigError naming the value and a fix."""
     if layers_per_stage is None:
         if n_layers < n_stages or n_layers % n_stages:
+            example = f", e.g. {even_or_near(n_layers, n_stages)}" if n_layers >= n_stages else ""
             raise ConfigError(f"{n_layers} layers do not split evenly into {n_stages} stages: use a layer count "
                               f"divisible by {n_stages}, or give {what} (one count per stage, summing to "
-                              f"{n_layers}), e.g. {even_or_near(n_layers, n_stages)}")
+                              f"{n_layers}){example}")
         return (n_layers // n_stages,) * n_stages
     example = even_or_near(n_layers, n_stages) if n_layers >= n_stages else None
     fix = f", e.g. {what}={example}" if example else f": {n_layers} layers cannot fill {n_stages} stages"
@@ -49,7 +50,12 @@ def layer_split(layers_per_stage, n_layers: int, n_stages: int, *, what: str = "
 
 def even_or_near(n_layers: int, n_stages: int) -> tuple[int, ...]:
     """n_layers over n_stages as evenly as whole layers allow, the extra layers on the
-    middle stages (the ends carry the embedding and the head): (1, 2, 2, 1) for 6 on 4."""
+    middle stages (the ends carry the embedding and the head): (1, 2, 2, 1) for 6 on 4.
+    Every stage holds at least one layer: fewer layers than stages are refused (ConfigError)."""
+    whole("n_stages", n_stages, fix="n_stages counts the model stages (p*chunks), e.g. n_stages=4")
+    whole("n_layers", n_layers, minimum=n_stages,
+          fix=f"every one of the {n_stages} stages holds at least one layer: use n_layers={n_stages} or more, "
+              "or fewer stages")
     base, extra = divmod(n_layers, n_stages)
     order = sorted(range(n_stages), key=lambda k: (-min(k, n_stages - 1 - k), k))
     more = set(order[:extra])

@@ -9,6 +9,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar import errors
 from jaxpar.errors import ConfigError
@@ -103,10 +104,28 @@ def block(p: dict, x, cfg: ModelConfig):
     return block_and_balance(p, x, cfg)[0]
 
 
+def check_tokens(tokens, vocab: int, shape_doc: str) -> tuple[int, int]:
+    """The shape of `tokens` if it is an int[B, T] array whose ids, when it is concrete (not
+    a jax.core.Tracer: under jit only its shape and dtype are known), all lie in
+    [0, vocab): out of range, the embedding's gather clamps or wraps them and the loss is
+    NaN or a plausible wrong number. The rule of tensor.vocab and Trainer.put, written
+    here again: the reference shares no code with what it checks."""
+    shape = errors.array("tokens", tokens, ndim=2, kinds="iu", shape_doc=shape_doc)
+    if not isinstance(tokens, jax.core.Tracer):
+        values = np.asarray(tokens)
+        lo, hi = int(values.min()), int(values.max())
+        if lo < 0 or hi >= vocab:
+            raise ConfigError(f"tokens holds ids from {lo} to {hi}, outside [0, vocab={vocab}): every id must "
+                              "name a row of the vocabulary. Fix: map them into range, or grow the vocabulary "
+                              "(ModelConfig(vocab=...))")
+    return shape
+
+
 def forward_and_balance(params: dict, tokens, cfg: ModelConfig):
     """tokens: int[B, T] -> (logits [B, T, V], aux [L, B], load [L, E]): every layer's
-    balance loss per sequence and load per expert (`block_and_balance`)."""
-    errors.array("tokens", tokens, ndim=2, kinds="iu", shape_doc="tokens[batch, seq] of token ids")
+    balance loss per sequence and load per expert (`block_and_balance`). Token ids
+    outside [0, vocab) are refused where tokens is concrete (`check_tokens`)."""
+    check_tokens(tokens, cfg.vocab, "tokens[batch, seq] of token ids")
     x = params["embed"][tokens]
 
     def layer(x, p):                  # one layer, over the stacked blocks' leading dimension
@@ -140,7 +159,7 @@ def lm_head_loss(x, final_norm, unembed, targets, eps: float = 1e-6):
 def loss_and_balance(params: dict, tokens, cfg: ModelConfig, compute_dtype=None):
     """(`loss`, {"aux": [L, B], "load": [L, E]}): the loss and the balancing terms it was
     made of (`forward_and_balance`), for a trainer's bias update. compute_dtype: see `loss`."""
-    shape = errors.array("tokens", tokens, ndim=2, kinds="iu", shape_doc="tokens[batch, seq + 1] of token ids")
+    shape = check_tokens(tokens, cfg.vocab, "tokens[batch, seq + 1] of token ids")
     if shape[1] < 2:
         raise ConfigError(f"tokens has shape {shape}: next-token prediction needs at least 2 positions per row")
     logits, aux, load = forward_and_balance(cast(params, compute_dtype), tokens[:, :-1], cfg)
@@ -153,7 +172,8 @@ def loss_and_balance(params: dict, tokens, cfg: ModelConfig, compute_dtype=None)
 def loss(params: dict, tokens, cfg: ModelConfig, compute_dtype=None):
     """Next-token cross-entropy: position t predicts token t+1, plus aux_loss times the
     balance loss (summed over layers, mean over sequences) when aux_loss > 0.
-    tokens: int[B, T+1]. compute_dtype (e.g. jnp.bfloat16; None: the params' own): mixed
+    tokens: int[B, T+1], ids in [0, vocab) (checked where tokens is concrete, not under
+    jit: `check_tokens`). compute_dtype (e.g. jnp.bfloat16; None: the params' own): mixed
     precision, the params cast to it before any layer (`cast`), the layers run in it, the
     attention's softmax and the loss in float32 (`statistics_dtype`); the gradients come
     back in the params' dtype."""

@@ -56,6 +56,7 @@ MAX_STAGES = 1024
 MAX_MICROBATCHES = 1 << 16
 MAX_CHUNKS = 64
 MAX_ACTIONS = 1 << 21   # p * m * v * kinds: a table of about 2 million actions builds in seconds
+MAX_CELLS = 1 << 23     # ticks x stages of the table: 8 million cells take about 10 s and 250 MB
 # Where chunk c of device d sits in the model (its placement): "loop" (Megatron's interleaved
 # schedule) stage c*p + d, each chunk one loop down the devices; "v" (ZB-V, DualPipeV;
 # chunks=2) stage d going down the devices, 2p-1-d coming back up.
@@ -345,6 +346,12 @@ def simulate(name: str, stages: int, microbatches: int, chunks: int, costs: Mapp
         chain = " -> ".join(f"{a} on device {d}" for d, a in find_deadlock(programs, shape))
         raise ConfigError(f"{name}: the device programs deadlock: {chain} -> (back to the first)")
     total = max((t[-1][1] for t in times if t), default=0)
+    if total * stages > MAX_CELLS:
+        raise ConfigError(f"{name} with stages={stages}, microbatches={microbatches} and costs "
+                          f"{', '.join(f'{k}={c}' for k, c in costs.items())} spans {total:,} ticks: a table of "
+                          f"{total * stages:,} cells, more than the {MAX_CELLS:,} one holds here. Costs are ticks "
+                          "per action, small ratios such as F=1,B=2; time measured costs instead "
+                          "(timing.timed with Costs(F=18.5, B=18.1, W=9.3), jaxpar schedule --costs with fractions)")
     table: list[list[Action | None]] = [[None] * stages for _ in range(total)]
     for d, (prog, starts) in enumerate(zip(programs, times)):
         for a, (t, _) in zip(prog, starts):

@@ -153,6 +153,10 @@ def test_the_pipeline_size_is_pp_in_every_command(capsys):
     (["schedule", "1f1b", "--costs", "W=1"], ["W exists only with the split backward"]),
     (["schedule"], ["give a schedule NAME"]),
     (["schedule", "warp"], ["unknown schedule 'warp'"]),
+    # whole ticks of a microsecond each would build a table of millions of ticks
+    (["schedule", "zb-h1", "-p", "8", "-m", "24", "--costs", "F=18522,B=18086,W=9337"],
+     ["spans 1,293,577 ticks", "more than the 8,388,608", "with fractions"]),
+    (["schedule", "1f1b", "--costs", "F=1000000000000,B=2"], ["cells, more than"]),
 ])
 def test_schedule_refusals_are_one_line_and_exit_2(capsys, argv, words):
     assert main(argv) == 2
@@ -185,3 +189,32 @@ def test_schedule_steps_prints_the_runtime_steps(capsys):
     out = capsys.readouterr().out
     assert "1f1b: p=4 m=6, 16 SPMD steps for 27 schedule ticks, 21 collective-permutes" in out
     assert "device 3: .    .    .    F0   B0F1 B1   F2" in out
+
+
+@pytest.mark.parametrize("argv, command, words", [
+    (["train", "--steps", "2.5"], "train", ["argument --steps: invalid int value: '2.5'", "see jaxpar train --help"]),
+    (["memory", "--recompute", "dots"], "memory", ["invalid choice: 'dots'"]),
+    (["exercise", "9"], "exercise", ["invalid choice: 9"]),
+    (["data", "prepare"], "data prepare", ["the following arguments are required: TEXT_FILES, --out"]),
+    (["checkpoint", "ls"], "checkpoint ls", ["required: DIR"]),
+])
+def test_argparse_refusals_are_one_line_too(capsys, argv, command, words):
+    """A flag's type, an unknown choice, a missing argument: one line and exit 2, without
+    argparse's usage block."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    _assert_one_line_error(capsys, command, *words)
+
+
+def test_flags_in_messages_leave_the_users_own_text_alone():
+    """translate rewrites the library's name=value into flags, a run of mesh axes into one
+    --mesh value, and never the quoted text the user typed."""
+    from jaxpar.cli.flags import translate
+    from jaxpar.cli.train_args import FLAGS
+
+    assert translate("--mesh 'dp=-2': 'dp=-2' is not axis=size, e.g. dp=2,pp=2,tp=2", FLAGS) == \
+        "--mesh 'dp=-2': 'dp=-2' is not axis=size, e.g. --mesh dp=2,pp=2,tp=2"
+    assert translate("microbatches=7 is not divisible by pp=2", FLAGS) == "--microbatches 7 is not divisible by --mesh pp 2"
+    assert translate("resume=1: give directory= too", FLAGS) == "--resume 1: give --checkpoint too"
+    assert translate("trace='a=b.json' does not exist", {"trace": "--trace"}) == "--trace 'a=b.json' does not exist"

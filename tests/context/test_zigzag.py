@@ -95,3 +95,16 @@ def test_bad_sequences_and_layouts_are_refused(args, words):
         zigzag.check_sequence(*args)
     with pytest.raises(ConfigError):
         zigzag.load_report(*args)
+
+
+@pytest.mark.parametrize("x, axis, words", [
+    (np.zeros((2, 16, 8, 4)), 5, r"axis=5: x has shape \(2, 16, 8, 4\) \(rank 4\), so its sequence axis is one of -4 .. 3"),
+    (np.zeros((2, 16, 8, 4)), -5, "axis=-5"),
+    (np.zeros((2, 16, 8, 4)), 1.0, "axis=1.0"),
+    ([[0.0] * 16], 1, "x is a list, not an array"),
+])
+def test_a_sequence_axis_x_does_not_have_is_refused(x, axis, words):
+    for f in (zigzag.to_layout, zigzag.from_layout):
+        with pytest.raises(ConfigError, match=words):
+            f(x, 4, "zigzag", axis=axis)
+    assert zigzag.to_layout(np.zeros((2, 16, 8, 4)), 4, "zigzag", axis=-3).shape == (2, 16, 8, 4)

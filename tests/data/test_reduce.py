@@ -99,3 +99,10 @@ def test_bad_layouts_are_refused(pspecs, batch_axes, words):
     grads = {"w": jnp.zeros(2), "b": jnp.zeros(2)}
     with pytest.raises(ConfigError, match=words):
         reduce_gradients(grads, pspecs, batch_axes=batch_axes)
+
+
+def test_outside_shard_map_an_axis_to_sum_over_is_refused():
+    grads = {"w": jnp.zeros(2)}
+    with pytest.raises(ConfigError, match=r"reduce_gradients sums over mesh axis 'dp', which nothing binds.*shard_map"):
+        reduce_gradients(grads, {"w": P()}, batch_axes=("dp",))
+    assert reduce_gradients(grads, {"w": P("dp")}, batch_axes=("dp",)) is not None      # nothing to sum: no axis needed

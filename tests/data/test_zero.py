@@ -90,12 +90,31 @@ def test_two_adamw_steps_equal_the_unsharded_ones_with_a_dp_th_of_the_state():
     assert "1.7 KiB of 12.6 KiB" in r.note and "whole: b2" in r.note     # 2 (6400/8 + 48) + 4 bytes
 
 
-def test_bad_plans_are_refused():
-    shapes = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
-    with pytest.raises(ConfigError, match=r"pspecs name axes \['cp'\]; the mesh has"):
-        zero.plan(shapes, {"w": P("cp")}, sizes={"dp": 2})
-    with pytest.raises(ConfigError, match="one jax.sharding.PartitionSpec per leaf"):
-        zero.plan(shapes, {"v": P()}, sizes={"dp": 2})
+_W = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+
+
+@pytest.mark.parametrize("shapes, pspecs, kw, words", [
+    (_W, {"w": P("cp")}, dict(sizes={"dp": 2}), r"pspecs name axes \['cp'\]; the mesh has"),
+    (_W, {"v": P()}, dict(sizes={"dp": 2}), "one jax.sharding.PartitionSpec per leaf"),
+    (_W, {"w": P()}, dict(sizes={"dp": 0}), r"sizes\['dp'\]=0: need at least 1"),
+    (_W, {"w": P()}, dict(sizes={"dp": -2}), r"sizes\['dp'\]=-2: need at least 1"),
+    (_W, {"w": P()}, dict(sizes={"dp": 2.0}), r"sizes\['dp'\]=2.0 is a float"),
+    (_W, {"w": P()}, dict(sizes=[("dp", 2)]), "sizes=.* is a list, not a mapping"),
+    (_W, {"w": P()}, dict(sizes={"dp": 2}, skip=-1), "skip=-1: need at least 0"),
+    (_W, {"w": P()}, dict(sizes={"dp": 2}, first=1), "first=1 is a int: give True or False"),
+    ({"w": jax.ShapeDtypeStruct((8,), jnp.float32)}, {"w": P(None, "dp")}, dict(sizes={"dp": 2}),
+     r"shapes\['w'\] has shape \(8,\) but its pspec .* names 2 dimensions"),
+    ({"w": jax.ShapeDtypeStruct((6, 4), jnp.float32)}, {"w": P("tp")}, dict(sizes={"dp": 2, "tp": 4}),
+     r"dimension 0 of shapes\['w'\]=6 is not divisible by tp=4.*Fix"),
+    ({"w": "8x4"}, {"w": P()}, dict(sizes={"dp": 2}), r"shapes\['w'\] is a str, not an array"),
+])
+def test_bad_plans_are_refused(shapes, pspecs, kw, words):
+    with pytest.raises(ConfigError, match=words):
+        zero.plan(shapes, pspecs, **kw)
+
+
+def test_a_mesh_without_the_axis_is_one_device_along_it():
+    assert zero.plan(_W, {"w": P()}, sizes={"tp": 2}) == {"w": -1}
 
 
 def test_zero3_against_the_pipeline_on_one_model():

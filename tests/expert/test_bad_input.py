@@ -7,7 +7,7 @@ import pytest
 from jaxpar import mesh as mesh_lib
 from jaxpar import reference
 from jaxpar.errors import ConfigError
-from jaxpar.expert import dispatch, formulas, router
+from jaxpar.expert import dispatch, formulas, grouped, router
 
 
 def _params(E=8, D=16, F=32):
@@ -45,10 +45,56 @@ def _call(params=None, x=None, cfg=None, mesh=None, **kw):
     (dict(grouped=True, capacity_factor=1.25, mesh=mesh_lib.make_mesh(dp=8, ep=1)),
      "grouped=True with capacity_factor=1.25: the grouped experts are dropless"),
     (dict(grouped="yes"), "grouped='yes': give None"),
+    (dict(params=_params() | {"w_up": jnp.zeros((8, 16, 32), jnp.int32)}), "w_up has dtype int32.*floating point"),
 ])
 def test_ep_moe_refuses(kw, words):
     with pytest.raises(ConfigError, match=words):
         _call(**kw)
+
+
+def _grouped(p=None, x=None, experts=None, weights=None, mlp="gelu", kernel="xla"):
+    return grouped.grouped_moe(_params() if p is None else p, jnp.zeros((4, 16)) if x is None else x,
+                               jnp.zeros((4, 2), jnp.int32) if experts is None else experts,
+                               jnp.ones((4, 2)) if weights is None else weights, mlp=mlp, kernel=kernel)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(mlp="relu"), "mlp='relu'"),
+    (dict(kernel="cuda"), "kernel='cuda'"),
+    (dict(mlp="swiglu"), "p has no 'w_gate'"),
+    (dict(p=_params() | {"w_down": jnp.zeros((8, 32, 16), jnp.int32)}), "w_down has dtype int32.*floating point"),
+    (dict(experts=jnp.full((4, 2), 9, jnp.int32)), r"experts holds ids from 9 to 9, outside \[0, n_experts=8\)"),
+    (dict(experts=jnp.full((4, 2), -1, jnp.int32)), r"ids from -1 to -1, outside \[0, n_experts=8\)"),
+    (dict(experts=jnp.zeros((4, 2))), "experts has dtype float32.*integer"),
+    (dict(experts=jnp.zeros((3, 2), jnp.int32)), r"experts has shape \(3, 2\) for x of 4 tokens"),
+    (dict(x=jnp.zeros((2, 4, 16))), r"x has shape \(2, 4, 16\) \(rank 3\); expected rank 2"),
+    (dict(x=jnp.zeros((4, 16), jnp.int32)), "x has dtype int32.*floating point"),
+    (dict(weights=jnp.ones((4, 3))), r"weights has shape \(4, 3\), experts \(4, 2\): one gate per chosen"),
+])
+def test_grouped_moe_refuses(kw, words):
+    with pytest.raises(ConfigError, match=words):
+        _grouped(**kw)
+
+
+@pytest.mark.parametrize("x, words", [
+    (jnp.zeros((16,)), r"x has shape \(16,\) \(rank 1\); expected rank 2: x\[tokens, d_model\]"),
+    (jnp.zeros((0, 16)), "empty axis"),
+    (jnp.zeros((4, 16), jnp.int32), "x has dtype int32.*floating point"),
+])
+def test_route_refuses_tokens_it_cannot_score(x, words):
+    with pytest.raises(ConfigError, match=words):
+        router.route(jnp.zeros((16, 8)), x, top_k=2)
+
+
+@pytest.mark.parametrize("args, words", [
+    ((0, 2, 8, 1.0), "tokens=0: need at least 1"),
+    ((8, -1, 8, 1.0), "top_k=-1: need at least 1"),
+    ((8, 2, 0, 1.0), "n_experts=0: need at least 1"),
+    ((8.0, 2, 8, None), "tokens=8.0 is a float, not a whole number"),
+])
+def test_capacity_refuses_counts_that_are_not_positive_whole_numbers(args, words):
+    with pytest.raises(ConfigError, match=words):
+        formulas.capacity(*args)
 
 
 def test_top_k_out_of_range_is_refused():

@@ -93,6 +93,13 @@ def test_states_and_zero():
     (lambda: A.first_stage_bytes(GPT3, n_layers=96, seq_len=2048, in_flight=0), "in_flight=0: must be > 0"),
     (lambda: S.state_bytes(dense=1e9, zero=4), "ZeRO stage 0, 1, 2 or 3"),
     (lambda: S.state_bytes(dense=1, experts=1, dp=6, ep=4), "dp=6 is not divisible by ep=4"),
+    (lambda: S.state_bytes(dense=-1), "dense=-1: must be >= 0"),
+    (lambda: S.state_bytes(dense=float("nan")), "dense=nan is not a real number"),
+    (lambda: S.state_bytes(dense=float("inf")), "dense=inf: must be finite"),
+    (lambda: S.state_bytes(dense="1e9"), "dense='1e9' is not a real number"),
+    (lambda: S.state_bytes(dense=1e9, experts=-5), "experts=-5: must be >= 0"),
+    (lambda: S.state_bytes(dense=1e9, zero=1.0), r"zero=1.0: ZeRO stage 0, 1, 2 or 3"),
+    (lambda: S.state_bytes(dense=1e9, zero=True), r"zero=True: ZeRO stage 0, 1, 2 or 3"),
 ])
 def test_bad_input(call, match):
     with pytest.raises(ConfigError, match=match):

@@ -49,6 +49,7 @@ from jaxpar import errors
 from jaxpar.errors import ConfigError
 
 RECOMPUTE = ("none", "selective", "full")
+MAX_SIZE = 1 << 24     # tokens in a sequence, sequences, widths: past any model (10M-token contexts)
 GB = 1e9
 
 
@@ -68,8 +69,13 @@ class Block:
     act_bytes: int = 2              # 16-bit activations
 
     def __post_init__(self):
-        for name in ("d_model", "n_heads", "act_bytes"):
-            errors.whole(name, getattr(self, name))
+        for name in ("d_model", "n_heads"):
+            errors.whole(name, getattr(self, name), maximum=MAX_SIZE)
+        errors.divisible("d_model", self.d_model, "n_heads", self.n_heads, why="each head is d_model/n_heads wide",
+                         fix=f"n_heads one of {errors.divisors(self.d_model)}" if self.d_model <= 4096
+                         else "an n_heads that divides d_model")
+        if self.act_bytes not in (1, 2, 4, 8) or isinstance(self.act_bytes, bool):
+            raise ConfigError(f"act_bytes={self.act_bytes!r}: bytes per activation element, 1, 2 (16-bit), 4 or 8")
         if self.n_kv_heads is not None:
             errors.whole("n_kv_heads", self.n_kv_heads)
             if self.n_heads % self.n_kv_heads:
@@ -96,8 +102,8 @@ class Term(NamedTuple):
 
 def layer_terms(block: Block, *, seq_len: int, batch_size: int) -> list[Term]:
     """The stored activations of one layer, unsplit (see the module docstring)."""
-    errors.whole("seq_len", seq_len)
-    errors.whole("batch_size", batch_size)
+    errors.whole("seq_len", seq_len, maximum=MAX_SIZE)
+    errors.whole("batch_size", batch_size, maximum=MAX_SIZE)
     s, b, h, a, f, k = seq_len, batch_size, block.d_model, block.n_heads, block.d_ff, block.n_kv_heads
     x = block.act_bytes * s * b * h            # one [s, b, h] activation
     kv = x * k / a
@@ -170,6 +176,11 @@ def gpt_formula(*, seq_len: int, batch_size: int, d_model: int, n_heads: int, tp
     """The paper's closed forms (bytes per layer), for checking the terms:
     sbh(34 + 5as/h); TP sbh(10 + 24/t + 5as/(ht)); TP+SP sbh/t (34 + 5as/h);
     selective recompute drops 5as/h; full recompute 2sbh (/t with SP)."""
+    for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("d_model", d_model),
+                        ("n_heads", n_heads), ("tp", tp)):
+        errors.whole(name, value, maximum=MAX_SIZE)
+    errors.flag("sp", sp)
+    errors.one_of("recompute", recompute, RECOMPUTE)
     sbh, q = seq_len * batch_size * d_model, 5 * n_heads * seq_len / d_model
     q = 0 if recompute == "selective" else q
     if recompute == "full":

@@ -78,6 +78,9 @@ class Published:
 MODELS = {m.name: m for m in (
     Model(name="gpt3-175b", n_layers=96, d_model=12288, n_heads=96, n_kv_heads=96, d_ff=49152, vocab=50257,
           params=175e9, mlp="gelu", dropout=True),
+    # Narayanan et al. 2021's largest GPT (table 1): 160 heads of 160, vocab 51,200
+    Model(name="megatron-1t", n_layers=128, d_model=25600, n_heads=160, n_kv_heads=160, d_ff=102400, vocab=51200,
+          params=1008e9, mlp="gelu", dropout=True),
     Model(name="llama3-8b", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336, vocab=128256,
           params=8.03e9),
     Model(name="llama3-70b", n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672, vocab=128256,
@@ -108,6 +111,8 @@ PUBLISHED = (
               source="Llama 3 paper, table 4 (long-context stage)"),
     Published(model="gpt3-175b", gpu="a100", gpus=1536, seq_len=2048, tokens=1536 * 2048, tp=8, pp=16, dp=12,
               source="Narayanan et al. 2021, table 1"),
+    Published(model="megatron-1t", gpu="a100", gpus=3072, seq_len=2048, tokens=3072 * 2048, tp=8, pp=64, dp=6,
+              source="Narayanan et al. 2021, table 1 (the largest model: dp down to 6, lecture 7.2)"),
     Published(model="deepseek-v3", gpu="h800", gpus=2048, seq_len=4096, tokens=15360 * 4096, tp=1, pp=16, dp=128, ep=64,
               source="DeepSeek-V3 technical report (2024), section 3.2"),
 )

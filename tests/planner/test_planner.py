@@ -74,7 +74,7 @@ def test_rejections_say_why():
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda: catalog.model("gpt5"), r"unknown model 'gpt5'; known: gpt3-175b, llama3-8b"),
+    (lambda: catalog.model("gpt5"), r"unknown model 'gpt5'; known: gpt3-175b, megatron-1t, llama3-8b"),
     (lambda: catalog.accelerator("v100"), r"unknown GPU 'v100'; known: a100, h100"),
     (lambda: S.Cluster(gpu=H100, gpus=12), r"gpus=12 is not a multiple of the 8 h100 per node"),
     (lambda: S.search(L405, S.Cluster(gpu=H100, gpus=16), tokens=1000, seq_len=8192), "not a whole number of 8192-token"),

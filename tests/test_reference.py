@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 
 from jaxpar import reference as ref
+from jaxpar.errors import ConfigError
 from jaxpar.testing import assert_close
 
 
@@ -377,6 +378,20 @@ def test_model_config_is_frozen_and_keyword_only():
 def test_model_config_validates(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ref.ModelConfig(**kwargs)
+
+
+@pytest.mark.parametrize("ids, match", [
+    (64, r"tokens holds ids from 0 to 64, outside \[0, vocab=64\)"),
+    (1000, r"ids from 0 to 1000, outside \[0, vocab=64\).*Fix"),
+    (-5, r"ids from -5 to 1, outside \[0, vocab=64\)"),
+])
+def test_token_ids_outside_the_vocabulary_are_refused(ids, match):
+    cfg = ref.ModelConfig(n_layers=1)
+    params = jax.eval_shape(lambda k: ref.init_params(k, cfg), jax.random.key(0))   # refused before params are read
+    tokens = np.array([[0, 1, 1], [1, 0, ids]], np.int32)
+    for f in (ref.loss, ref.loss_and_balance, ref.forward):
+        with pytest.raises(ConfigError, match=match):
+            f(params, tokens, cfg)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

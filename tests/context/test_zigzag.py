@@ -98,7 +98,8 @@ def test_bad_sequences_and_layouts_are_refused(args, words):
 
 
 @pytest.mark.parametrize("x, axis, words", [
-    (np.zeros((2, 16, 8, 4)), 5, r"axis=5: x has shape \(2, 16, 8, 4\) \(rank 4\), so its sequence axis is one of -4 .. 3"),
+    (np.zeros((2, 16, 8, 4)), 5, r"axis=5: x has shape \(2, 16, 8, 4\) \(rank 4\), so its sequence axis is one "
+                                 r"of -4 .. 3"),
     (np.zeros((2, 16, 8, 4)), -5, "axis=-5"),
     (np.zeros((2, 16, 8, 4)), 1.0, "axis=1.0"),
     ([[0.0] * 16], 1, "x is a list, not an array"),

@@ -427,6 +427,10 @@ def test_stage_fn_changing_the_activation(no_compile):
         _bad_run(p=2, stage_fn=lambda params, x: x[:, :16])
     with pytest.raises(ValueError, match=r"\(2, 32\) float32 to \(2, 32\) float16"):
         _bad_run(p=2, stage_fn=lambda params, x: x.astype(jnp.float16))
+    # layers(layer_fn) whose layer narrows the activation: the next layer's matmul would fail (a TypeError)
+    with pytest.raises(ConfigError, match=r"stage_fn's layer_fn maps a microbatch \(2, 32\) float32 to "
+                                          r"\(2, 16\) float32: .* must keep the activation's shape and dtype"):
+        _bad_run(p=2, stage_fn=runtime.layers(lambda params, x: (x @ params["w"])[:, :16]))
 
 
 def test_targets_with_another_row_count(no_compile):

@@ -25,7 +25,7 @@ import pytest
 
 from jaxpar import mesh as mesh_lib
 from jaxpar.errors import ConfigError
-from jaxpar.pipeline import passes, runtime, stage, verify
+from jaxpar.pipeline import passes, runtime, stage, stage_layers, verify
 from jaxpar.schedules import schedule
 from jaxpar.testing import assert_close, compiled_collectives
 
@@ -178,6 +178,17 @@ def test_bad_counts_are_refused(counts, match):
     s, stage_fn, params, batch, mesh = _request_args()
     with pytest.raises(ConfigError, match=match):
         runtime.request(s, stage_fn, params, batch, mesh=mesh, layers_per_stage=counts)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((2, 4), r"n_layers=2: need at least 4; every one of the 4 stages holds at least one layer"),
+    ((2, 0), r"n_stages=0: need at least 1"),
+    ((6, 4.0), r"n_stages=4.0 is a float, not a whole number"),
+])
+def test_even_or_near_refuses_stages_it_cannot_fill(args, match):
+    with pytest.raises(ConfigError, match=match):
+        stage_layers.even_or_near(*args)
+    assert stage_layers.even_or_near(6, 4) == (1, 2, 2, 1) and stage_layers.even_or_near(4, 4) == (1, 1, 1, 1)
 
 
 def test_uneven_needs_a_layers_stage():

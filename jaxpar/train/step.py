@@ -9,9 +9,8 @@ The tokens enter split by rows over the batch axes (`Trainer.token_sharding`, fr
 `batch_pspecs`): each device (each process) holds only its rows, and the step cuts its
 inputs and targets from them without a collective.
 
-The Trainer is built by the recipe (`recipe.py`: each technique applied to the model in
-the lecture's order, then assembled) and holds what it built as declared fields. It keeps
-no other Trainer: a `TrainerCache` (cache.py) does, for whoever reuses one.
+The Trainer is built by the recipe (`recipe.py`: each technique applied to the model in the lecture's
+order, then assembled) and holds what it built as declared fields; a `TrainerCache` (cache.py) reuses one.
 
 Inside the one shard_map, on every device:
   1. the pipeline program over pp (`recipe.program`: any schedule), whose stages are the
@@ -66,7 +65,7 @@ from jaxpar.train import balance, recipe
 from jaxpar.train import model as model_lib
 from jaxpar.train import optim as optim_lib
 from jaxpar.train.recipe import batch_pspecs
-from jaxpar.train.spec import ParallelSpec
+from jaxpar.train.spec import ParallelSpec, device_list
 
 
 class TrainState(NamedTuple):
@@ -162,7 +161,7 @@ class Trainer:
             raise ConfigError(f"spec is a {type(self.spec).__name__}, not a jaxpar.train.ParallelSpec")
         if not isinstance(self.optim, optim_lib.OptimConfig):
             raise ConfigError(f"optim is a {type(self.optim).__name__}, not a jaxpar.train.OptimConfig")
-        devices = list(jax.devices() if self.devices is None else self.devices)
+        devices = device_list(self.devices)
         self.spec.check(self.cfg, batch_size=self.batch_size, seq_len=self.seq_len, n_devices=len(devices))
         return devices
 
@@ -220,9 +219,8 @@ class Trainer:
         def per_device(state, inputs, targets):
             loss, grads, load = self._loss_and_gradients(program, state.params, inputs, targets)
             params, opt, norm = self._update(state, grads, load)
-            lr = self.optim.schedule()(state.step)
-            return TrainState(step=state.step + 1, params=params, opt=opt), dict(loss=loss[None], norm=norm[None],
-                                                                                 lr=lr)
+            metrics = dict(loss=loss[None], norm=norm[None], lr=self.optim.schedule()(state.step))
+            return TrainState(step=state.step + 1, params=params, opt=opt), metrics
 
         per_pp = P(PP) if self.spec.pp == 1 else P(None)      # the loss and norm: one value (per pp rank)
         metric_pspecs = dict(loss=per_pp, norm=per_pp, lr=P())
@@ -304,7 +302,9 @@ class Trainer:
         new = zero.gather_params(new, zero_dims) if sharded_state else new
         if load is not None:
             new = balance.update_bias(new, params, load, self.cfg)
-        return new, opt, norm
+        # microbatches' gradients add up in float32: the state keeps its dtypes (bf16 stays bf16)
+        same = lambda a, b: a.astype(b.dtype)
+        return jax.tree.map(same, new, params), jax.tree.map(same, opt, state.opt), norm
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -374,6 +374,10 @@ class Trainer:
         """One step on tokens int[B, T+1] (host data, or an int32 array laid out as
         `token_sharding`: `put`'s, `loop.global_batch`'s). The state is donated: use the
         returned one."""
+        if jax.tree.structure(state) != jax.tree.structure(self.shardings):
+            raise ConfigError(f"state (a {type(state).__name__}) is not this trainer's TrainState: pass init()'s")
+        if any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(state)):
+            raise ConfigError("the state was donated to the previous step; pass the state that step returned")
         if not (isinstance(tokens, jax.Array) and tokens.sharding == self.token_sharding
                 and tokens.dtype == jnp.int32):
             tokens = self.put(tokens)

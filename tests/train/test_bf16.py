@@ -189,3 +189,23 @@ def test_the_reference_casts_only_when_asked():
     assert 0 < abs(float(mixed) - float(full)) / float(full) < 2 ** -8
     for a, b in zip(jax.tree.leaves(g_mixed), jax.tree.leaves(g_full)):
         assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 5e-2
+
+
+@pytest.mark.parametrize("spec", [ParallelSpec(microbatches=2), ParallelSpec(pp=2, microbatches=2)],
+                         ids=["pp1 m2", "pp2 m2"])
+def test_a_bf16_state_stays_bf16_step_after_step(spec):
+    """Trainer(dtype=bfloat16): weights and AdamW moments in bf16. The microbatches' gradients
+    add up in float32; the step hands the state back in the dtypes it took, so the next step
+    runs (it raised TypeError at step 2 when the moments came back float32)."""
+    trainer = Trainer(DENSE, spec, OPTIM, batch_size=4, seq_len=8, devices=jax.devices()[:spec.devices],
+                      dtype=jnp.bfloat16)
+    state = trainer.init()
+    dtypes = jax.tree.map(lambda a: a.dtype, state)
+    assert jnp.dtype(jnp.bfloat16) in jax.tree.leaves(dtypes)
+    tokens = np.random.default_rng(0).integers(0, DENSE.vocab, (3, 4, 9))
+    losses = []
+    for batch in tokens:
+        state, metrics = trainer.step(state, batch)
+        assert jax.tree.map(lambda a: a.dtype, state) == dtypes
+        losses.append(float(metrics["loss"]))
+    assert np.all(np.isfinite(losses)), losses

@@ -139,9 +139,10 @@ def apply_tensor(layers: Layers, spec: ParallelSpec) -> Layers:
     """§3, §4.4: Megatron's layout over tp (heads and d_ff split, f and g around each
     sublayer: `tensor.layers.block_shard`; the vocabulary split: `tensor.vocab`), every
     weight's split as the model's metadata says (`model.partition_names`), and SP's
-    sequence split between the sublayers when asked."""
+    sequence split between the sublayers when asked (over tp of one device it splits nothing
+    and is left off: `ParallelSpec.ignored`)."""
     return dataclasses.replace(layers, pspecs=_pspecs(layers.cfg, spec),
-                               sequence_parallel=spec.sequence_parallel)
+                               sequence_parallel=spec.sequence_parallel and spec.tp > 1)
 
 
 def apply_context(layers: Layers, spec: ParallelSpec) -> Layers:
@@ -176,7 +177,7 @@ def apply_expert(layers: Layers, spec: ParallelSpec) -> Layers:
     if not layers.cfg.n_experts:
         return layers
     ffn = functools.partial(_moe, cfg=layers.cfg, spec=spec, seq_len=layers.seq_len, batch_size=layers.batch_size,
-                            kernel=layers.expert_kernel)
+                            kernel=layers.expert_kernel, sp=layers.sequence_parallel)
     return dataclasses.replace(layers, ffn=ffn)
 
 
@@ -279,9 +280,8 @@ def _block(p, x, *, layers: Layers):
 
 
 def _moe(p, z, *, cfg: reference.ModelConfig, spec: ParallelSpec, seq_len: int, batch_size: int | None,
-         kernel: str):
+         kernel: str, sp: bool):
     """The MoE on this device's tokens z [mb, T', D]: experts over ep, their FFN over tp."""
-    sp = spec.sequence_parallel
     zg = gather_from_sp(z, TP, 1) if sp else copy_to_tp(z, TP)                    # [mb, Tc, D]
     B, T, D = zg.shape
     experts = {k: p[k] for k in ("router", "w_up", "w_gate", "w_down") if k in p}

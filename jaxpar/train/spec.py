@@ -16,6 +16,7 @@ import dataclasses
 import math
 
 import jax
+import numpy as np
 
 from jaxpar import errors, reference
 from jaxpar import mesh as mesh_lib
@@ -34,6 +35,7 @@ AXES = tuple(a for a in mesh_lib.AXIS_ORDER if a in SPLITS)
 BATCH_AXES = tuple(a for a in AXES if SPLITS[a] == "rows")      # (dp, ep): the batch's rows
 ATTENTION = ("ring", "ulysses")
 LAYOUTS = ("contiguous", "zigzag")
+FLOAT32_MAX = float(np.finfo(np.float32).max)     # a weight past it (aux_loss=1e300) is inf in a float32 step
 # What B runs again of F: the glossary's words (memory.activations counts "selective" too)
 RECOMPUTE = ("none", "full", "dots")
 ZERO = (0, 1, 2, 3)           # ZeRO stages: what is sharded over dp (data.zero)
@@ -128,11 +130,29 @@ class ParallelSpec:
     def describe(self) -> str:
         parts = [f"{a}{n}" for a, n in self.sizes.items() if n > 1] or ["1 device"]
         extra = [self.schedule if self.pp > 1 else None,
-                 "layers " + "/".join(map(str, self.layers_per_stage)) if self.uneven else None, "sp" if self.sequence_parallel else None,
+                 "layers " + "/".join(map(str, self.layers_per_stage)) if self.uneven else None,
+                 "sp" if self.sequence_parallel and self.tp > 1 else None,
                  f"zero{self.zero}" if self.zero else None, self.attention if self.cp > 1 else None,
                  self.layout if self.cp > 1 and self.layout != "contiguous" else None,
                  {"full": "recompute", "dots": "recompute dots"}.get(self.recompute)]
         return " x ".join(parts) + "".join(f" {e}" for e in extra if e)
+
+    def ignored(self) -> list[str]:
+        """The options this mesh leaves with nothing to do, each with why: accepted (one spec serves
+        every mesh, and each runs as the spec without it would), and said in the run's summary."""
+        out = []
+        if self.sequence_parallel and self.tp == 1:
+            out.append("sequence_parallel=True with tp=1: one tp device holds the whole sequence, SP is off")
+        context = [f"{k}={v!r}" for k, v in (("attention", self.attention), ("layout", self.layout))
+                   if v not in ("ring", "contiguous")]
+        if self.cp == 1 and context:
+            out.append(f"{' and '.join(context)} with cp=1: no context parallelism, each device attends over its "
+                       "whole sequence")
+        if self.pp == 1 and self.schedule != "1f1b":
+            out.append(f"schedule={self.schedule!r} with pp=1: one stage, no pipeline schedule runs")
+        if self.zero and self.dp == 1:
+            out.append(f"zero={self.zero} with dp=1: nothing is split over one data-parallel device")
+        return out
 
     def make_schedule(self) -> schedule_lib.Schedule:
         return schedule_lib.make(self.schedule, stages=self.pp, microbatches=self.microbatches,
@@ -150,7 +170,7 @@ class ParallelSpec:
 
     def mesh(self, devices=None):
         """The mesh of this spec over `devices` (default: all of jax.devices())."""
-        devices = list(jax.devices() if devices is None else devices)
+        devices = device_list(devices)
         if len(devices) != self.devices:
             raise ConfigError(f"{self.describe()} needs {self.devices} devices, {len(devices)} are available: "
                               f"choose sizes whose product is {len(devices)} (or start {self.devices} fake CPU "
@@ -172,6 +192,9 @@ class ParallelSpec:
         if n_devices is not None and n_devices != self.devices:
             out.append(f"the mesh needs {'*'.join(AXES)} = {self.devices} devices, {n_devices} are available: "
                        f"choose sizes whose product is {n_devices}")
+        out += [f"{name}={getattr(cfg, name)} is not finite in float32 (at most {FLOAT32_MAX:.4g}), the dtype the "
+                "step computes in: give a smaller one"
+                for name in ("aux_loss", "bias_rate", "rope_theta", "norm_eps") if getattr(cfg, name) > FLOAT32_MAX]
         out += self._layer_problems(cfg) + self._model_problems(cfg) + self._batch_problems(cfg, batch_size, seq_len)
         try:
             self.make_schedule()
@@ -208,7 +231,7 @@ class ParallelSpec:
                        f"or a multiple of {cfg.n_kv_heads}")
         if self.ep > 1 and not cfg.n_experts:
             out.append(f"ep={self.ep} but the model is dense (n_experts=0): expert parallelism splits experts. "
-                       "Fix: ep=1, or n_experts > 0")
+                       f"Fix: ep=1, or n_experts={self.ep} or more")
         if cfg.n_experts and cfg.n_experts % self.ep:
             out.append(f"n_experts={cfg.n_experts} is not divisible by ep={self.ep}: each ep device owns E/ep "
                        f"whole experts. Fix: ep in ({errors.divisors(cfg.n_experts)})")
@@ -246,6 +269,16 @@ class ParallelSpec:
         _raise(self.problems(cfg, batch_size=batch_size, seq_len=seq_len, n_devices=n_devices),
                f"{self.describe()} does not fit the model")
         return self
+
+
+def device_list(devices) -> list:
+    """`devices` as a list (None: all of jax.devices()), refused unless each is a jax.Device."""
+    if devices is None:
+        return list(jax.devices())
+    found = None if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__") else list(devices)
+    if found is None or not all(isinstance(d, jax.Device) for d in found):
+        raise ConfigError(f"devices={devices!r:.80} is not a list of devices: pass jax.devices()[:n], or None (all)")
+    return found
 
 
 def _raise(problems: list[str], what: str) -> None:

@@ -159,6 +159,36 @@ def test_bad_batches_are_refused():
         t.put(np.full((2, 5), 99, np.int32))
     with pytest.raises(ConfigError):
         OptimConfig(warmup=30, steps=20)
+    with pytest.raises(ConfigError, match="devices='cpu' is not a list of devices"):
+        Trainer(verify.DENSE, ParallelSpec(), verify.OPTIM, batch_size=2, seq_len=4, devices="cpu")
+    with pytest.raises(ConfigError, match="aux_loss=1e.300 is not finite in float32"):
+        ParallelSpec().check(dataclasses.replace(verify.MOE, aux_loss=1e300), batch_size=2, seq_len=4)
+
+
+def test_a_donated_or_foreign_state_is_refused_before_the_step():
+    """The step donates its state: passing it again was a segfault in XLA's runtime; None,
+    {} or another trainer's layout a TypeError from the compiled call."""
+    t = Trainer(verify.DENSE, ParallelSpec(dp=2), verify.OPTIM, batch_size=2, seq_len=4, devices=jax.devices()[:2])
+    tokens = np.zeros((2, 5), np.int32)
+    for bad in (None, {}, t.init().params):
+        with pytest.raises(ConfigError, match="is not this trainer's TrainState"):
+            t.step(bad, tokens)
+    state = t.init()
+    new, _ = t.step(state, tokens)
+    with pytest.raises(ConfigError, match="the state was donated to the previous step; pass the state that step "
+                                          "returned"):
+        t.step(state, tokens)
+    assert int(t.step(new, tokens)[0].step) == 2
+
+
+def test_options_with_nothing_to_do_on_the_mesh_are_named():
+    """Accepted (each runs as the spec without it) and said in the run's summary."""
+    assert ParallelSpec(dp=2, tp=2, sequence_parallel=True, zero=1).ignored() == []
+    found = ParallelSpec(sequence_parallel=True, layout="zigzag", attention="ulysses", schedule="interleaved",
+                         zero=1).ignored()
+    assert [line.split(" with ")[0] for line in found] == [
+        "sequence_parallel=True", "attention='ulysses' and layout='zigzag'", "schedule='interleaved'", "zero=1"]
+    assert "sp" not in ParallelSpec(sequence_parallel=True).describe()
 
 
 # spec, cfg, the tokens' pspec, the rows each device holds of a batch of 8
@@ -196,6 +226,7 @@ def test_the_batch_enters_the_step_split_by_rows(name):
     (dict(lr=0), "lr=0: must be > 0; give 0 < lr"), (dict(lr=float("inf")), "lr=inf: must be finite"),
     (dict(b1=1.0), "b1=1.0: give 0 <= b < 1"), (dict(b2=-0.1), "b2=-0.1: must be >= 0"),
     (dict(clip=float("nan")), "clip=nan is not a real number"), (dict(weight_decay=True), "weight_decay=True"),
+    (dict(lr=1e300), "lr=1e.300 is not finite in float32"), (dict(eps=1e39), "eps=1e.39 is not finite in float32"),
 ])
 def test_optimizer_settings_outside_their_range_are_refused(kw, match):
     with pytest.raises(ConfigError, match=match):

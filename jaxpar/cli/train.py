@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import sys
 
 from jaxpar.cli.train_args import FLAGS, HELP, add_arguments  # noqa: F401 - the subcommand interface (cli.main)
 from jaxpar.errors import ConfigError
@@ -137,39 +138,60 @@ def start_jax(args, processes: int, devices: int | None, threads_per_device: int
     return jax.devices()
 
 
-def main(args) -> int:
+def _spec(args):
+    """--mesh and the technique flags as a ParallelSpec (microbatches: --microbatches, default 2 x pp)."""
     from jaxpar.train import spec as spec_lib
 
-    processes = check_distributed(args)
     counts = None if args.layers_per_stage is None else stage_layers.parse_layer_split(args.layers_per_stage)
     spec = spec_lib.parse(args.mesh, schedule=args.schedule, chunks=args.chunks, sequence_parallel=args.sp,
                           recompute=args.recompute, zero=args.zero, attention=args.attention,
                           layout=args.layout, microbatches=1, layers_per_stage=counts)
     m = 2 * spec.pp if args.microbatches is None else args.microbatches
-    spec = spec_lib.ParallelSpec(**{**spec.__dict__, "microbatches": m})
-    data, vocab = open_data(args, spec.tp)
-    every_eval = eval_every(args)
-    devices = local_devices(args, spec, processes)
+    return spec_lib.ParallelSpec(**{**spec.__dict__, "microbatches": m})
 
-    from jaxpar import reference
 
+def model_config(args, spec, vocab: int):
+    """The model the flags ask for, as given: each head d_model / n_heads wide (refused unless
+    whole, and even for the rotary embedding), top_k as given (refused past the experts)."""
+    from jaxpar import errors, reference
+
+    heads = errors.whole("n_heads", args.heads, maximum=1 << 20)
+    d_model = errors.whole("d_model", args.d_model, maximum=1 << 24)
+    if d_model % heads or (d_model // heads) % 2:
+        raise ConfigError(f"d_model={d_model} over n_heads={heads}: each head takes an equal share of the width, "
+                          f"a whole and even number of features (the rotary embedding turns pairs). Fix: a multiple "
+                          f"of 2 x {heads}, e.g. d_model={2 * heads * max(1, round(d_model / (2 * heads)))}")
+    if args.experts and not 1 <= args.top_k <= args.experts:
+        raise ConfigError(f"top_k={args.top_k} with n_experts={args.experts}: each token picks top_k distinct "
+                          f"experts. Fix: top_k={min(2, args.experts)}"
+                          + (f", or n_experts={args.top_k} or more" if args.top_k > args.experts else ""))
+    counts = spec.layers_per_stage
     layers = args.layers if args.layers is not None else sum(counts) if counts else 2 * spec.pp * spec.resolved_chunks
-    cfg = reference.ModelConfig(n_layers=layers, d_model=args.d_model, n_heads=args.heads, n_kv_heads=args.kv_heads,
-                                head_dim=max(2, args.d_model // args.heads), d_ff=args.ffn, vocab=vocab,
-                                mlp="swiglu", n_experts=args.experts, top_k=min(args.top_k, max(args.experts, 1)),
-                                rope_theta=10000.0, router=args.router, aux_loss=args.aux_loss,
-                                bias_rate=args.bias_rate)
-    batch = spec.dp * spec.ep * m if args.batch is None else args.batch
-    spec.check(cfg, batch_size=batch, seq_len=args.seq)        # every problem, before JAX starts
-    compute = compute_dtype(args.dtype)
-    from jaxpar import errors
+    return reference.ModelConfig(n_layers=layers, d_model=d_model, n_heads=heads, n_kv_heads=args.kv_heads,
+                                 head_dim=d_model // heads, d_ff=args.ffn, vocab=vocab, mlp="swiglu",
+                                 n_experts=args.experts, top_k=args.top_k, rope_theta=10000.0, router=args.router,
+                                 aux_loss=args.aux_loss, bias_rate=args.bias_rate)
 
+
+_TUPLE = re.compile(r"(layers_per_stage=)\((\d+(?:, \d+)*),?\)")
+
+
+def check_fit(spec, cfg, *, batch_size: int, seq_len: int) -> None:
+    """spec.check, with a stage split written as --layers-per-stage takes it (3,3, not (3, 3))."""
+    try:
+        spec.check(cfg, batch_size=batch_size, seq_len=seq_len)
+    except ConfigError as e:
+        raise ConfigError(_TUPLE.sub(lambda m: m.group(1) + m.group(2).replace(", ", ","), str(e))) from None
+
+
+def check_paths(args) -> None:
+    """The kernels' names and every path the run writes, before JAX starts."""
+    from jaxpar import errors
     from jaxpar.kernels import grouped
     from jaxpar.kernels.attention import IMPLEMENTATIONS
 
     errors.one_of("attention_kernel", args.attention_kernel, IMPLEMENTATIONS)
     errors.one_of("expert_kernel", args.expert_kernel, grouped.IMPLEMENTATIONS)
-
     if args.checkpoint is not None:
         errors.writable_path("directory", args.checkpoint, directory=True)
     if args.resume is not None:
@@ -180,14 +202,29 @@ def main(args) -> int:
         errors.writable_path("log", args.log)
     if args.profile is not None:
         errors.writable_path("profile", args.profile, directory=True)
+    errors.writable_path("out", args.out, directory=True)
+
+
+def main(args) -> int:
+    processes = check_distributed(args)
+    spec = _spec(args)
+    data, vocab = open_data(args, spec.tp)
+    every_eval = eval_every(args)
+    devices = local_devices(args, spec, processes)
+    cfg = model_config(args, spec, vocab)
+    batch = spec.dp * spec.ep * spec.microbatches if args.batch is None else args.batch
+    check_fit(spec, cfg, batch_size=batch, seq_len=args.seq)        # every problem, before JAX starts
+    compute = compute_dtype(args.dtype)
+    check_paths(args)
 
     from jaxpar.train.checkpoint import Checkpoints
-    from jaxpar.train.loop import Profiling, Validation, fit
+    from jaxpar.train.loop import NonFiniteLoss, Profiling, Validation, fit
     from jaxpar.train.optim import OptimConfig
     from jaxpar.train.step import Trainer
 
-    warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
-    optim = OptimConfig(lr=args.lr, warmup=min(warmup, args.steps), steps=args.steps, clip=args.clip)
+    # --warmup as given: OptimConfig refuses one longer than --steps
+    optim = OptimConfig(lr=args.lr, warmup=max(1, args.steps // 10) if args.warmup is None else args.warmup,
+                        steps=args.steps, clip=args.clip)
     # a pipeline's concurrent collectives need a larger XLA:CPU thread pool (mesh.use_cpu_devices)
     devices = start_jax(args, processes, devices, threads_per_device=8 if spec.pp > 1 else 2)
     with contextlib.ExitStack() as stack:    # the checkpoints' threads end here, whatever is raised
@@ -196,9 +233,15 @@ def main(args) -> int:
                           compute_dtype=compute, attention_kernel=args.attention_kernel,
                           expert_kernel=args.expert_kernel)
         validation = Validation(every_eval, args.eval_batches) if every_eval is not None else None
-        _, history = fit(trainer, steps=args.steps, corpus=data, checkpoints=ckpt, resume=args.resume,
-                         log=args.log, progress=not (args.quiet or args.json), validation=validation,
-                         profiling=Profiling(args.profile) if args.profile is not None else None)
+        try:
+            _, history = fit(trainer, steps=args.steps, corpus=data, checkpoints=ckpt, resume=args.resume,
+                             log=args.log, progress=not (args.quiet or args.json), validation=validation,
+                             profiling=Profiling(args.profile) if args.profile is not None else None)
+        except NonFiniteLoss as e:     # a run gone to NaN: one line, exit 1 (input refused up front is 2)
+            from jaxpar.cli.flags import translate
+
+            print(f"jaxpar train: error: {translate(str(e), FLAGS)}", file=sys.stderr)
+            return 1
     return _report(args, trainer, history)
 
 
@@ -284,6 +327,9 @@ def _summary(args, trainer, history, lead: bool) -> dict:
     summary["resumed_from"] = history.resumed_from
     summary["schedule_change"] = history.schedule_change
     summary["history"] = history.rows()
+    from jaxpar.cli.flags import translate
+
+    summary["ignored"] = [translate(line, FLAGS) for line in trainer.spec.ignored()]     # nothing to do here
     return summary
 
 
@@ -293,7 +339,7 @@ def _format_extra(s: dict, trainer, args) -> str:
     from jaxpar.train import throughput
 
     peak = throughput.peak_flops(s["device_kind"], trainer.compute_dtype or trainer.dtype)
-    lines = []
+    lines = [f"  ignored (nothing to do on this mesh): {'; '.join(s['ignored'])}"] if s["ignored"] else []
     if s["processes"] > 1:
         lines.append(f"  {s['processes']} processes; process 0 read rows {s['batch_rows'][0]}:{s['batch_rows'][1]} "
                      f"of each batch of {trainer.batch_size}")

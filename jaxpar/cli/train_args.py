@@ -18,7 +18,8 @@ FLAGS = {"dp": "--mesh dp", "pp": "--mesh pp", "tp": "--mesh tp", "cp": "--mesh 
          "bias_rate": "--bias-rate", "top_k": "--top-k", "eval_every": "--eval-every",
          "eval_batches": "--eval-batches", "coordinator": "--coordinator", "num_processes": "--processes",
          "process_id": "--process-id", "profile": "--profile", "resume": "--resume", "clip": "--clip",
-         "attention_kernel": "--attention-kernel", "expert_kernel": "--expert-kernel"}
+         "attention_kernel": "--attention-kernel", "expert_kernel": "--expert-kernel", "d_model": "--d-model",
+         "sequence_parallel": "--sp", "out": "--out", "head_dim": "head_dim (--d-model / --heads)"}
 HELP = "train the composed model on a dp x pp x tp x cp x ep mesh (lecture 7), with a summary"
 
 

@@ -47,6 +47,11 @@ from jaxpar.train.data import Corpus
 from jaxpar.train.step import Trainer, TrainState
 
 
+class NonFiniteLoss(FloatingPointError):
+    """A step's loss was NaN or infinite: `fit` stops there (the weights after it are not
+    finite either, so nothing later would train), before that step is logged or saved."""
+
+
 @dataclasses.dataclass
 class History:
     steps: list = dataclasses.field(default_factory=list)
@@ -279,7 +284,8 @@ def fit(trainer: Trainer, *, steps: int, corpus=None, state: TrainState | None =
     the validation loss (None: never). profiling: a trace of a few steps (None: none).
     log: a JSON-lines file, one row a step. progress: the tqdm line on stderr. In a
     multi-process job only process 0 writes the log and draws the progress line. The
-    caller owns `checkpoints` (close it, or use `with`: its background threads end there)."""
+    caller owns `checkpoints` (close it, or use `with`: its background threads end there).
+    A step whose loss is not finite raises NonFiniteLoss (nothing of it logged or saved)."""
     log = errors.writable_path("log", log) if log is not None else None
     corpus = Corpus(vocab=trainer.cfg.vocab) if corpus is None else corpus
     if validation is not None:
@@ -303,6 +309,7 @@ def fit(trainer: Trainer, *, steps: int, corpus=None, state: TrainState | None =
             state, metrics = trainer.step(state, batch)
             loss = float(metrics["loss"])
             dt = time.perf_counter() - t0
+            _check_finite(i, loss, metrics, trainer.optim.lr)
             profiler.after(i)
             measured = validation is not None and validation.due(i, steps)
             history.record(i, loss, metrics, dt,
@@ -320,6 +327,12 @@ def fit(trainer: Trainer, *, steps: int, corpus=None, state: TrainState | None =
         profiler.stop()
         report.close()
     return state, history
+
+
+def _check_finite(i: int, loss: float, metrics: dict, lr: float) -> None:
+    if not np.isfinite(loss):
+        raise NonFiniteLoss(f"step {i}: the loss is {loss} (gradient norm {float(metrics['norm'])}), the run stopped "
+                            f"there; give a lower learning rate, e.g. lr={min(lr / 10, 3e-3):g} (now lr={lr:g})")
 
 
 class _Report:

@@ -24,6 +24,8 @@ from jaxpar import errors
 from jaxpar.collectives import varying_axes
 from jaxpar.errors import ConfigError
 
+FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)     # a setting past it is inf in a float32 step
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimConfig:
@@ -47,6 +49,9 @@ class OptimConfig:
             value = errors.number(name, getattr(self, name), zero=name != "lr", fix=f"give {rule}")
             if name in ("b1", "b2") and value >= 1:
                 raise ConfigError(f"{name}={value}: give {rule}")
+            if value > FLOAT32_MAX:       # it would become inf in the step, and the weights NaN
+                raise ConfigError(f"{name}={value} is not finite in float32 (at most {FLOAT32_MAX:.4g}), the dtype "
+                                  f"the step computes in: give {rule}, e.g. {name}={getattr(OptimConfig, name)}")
         errors.whole("steps", self.steps, maximum=1 << 30)
         errors.whole("warmup", self.warmup, minimum=0, maximum=1 << 30)
         if self.warmup > self.steps:

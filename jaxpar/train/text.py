@@ -290,15 +290,32 @@ def _data_directory(path) -> str:
     return path
 
 
+TOKEN_DTYPES = {"uint16": 1 << 16, "uint32": 1 << 32}     # the token files' types, and the ids each holds
+
+
 def _read_meta(path: str) -> dict:
+    """meta.json's dict, refused (naming the file) unless every field the reader uses is
+    there and of its kind: dtype uint16 or uint32, vocab_size whole in 2 .. what the dtype
+    holds (and MAX_VOCAB), token counts and seed whole and >= 0."""
+    file = os.path.join(path, "meta.json")
     try:
-        with open(os.path.join(path, "meta.json")) as file:
-            meta = json.load(file)
-        np.dtype(meta["dtype"])
-        [int(meta[key]) for key in ("vocab_size", "train_tokens", "validation_tokens", "seed")]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise errors.ConfigError(f"{path!r}: meta.json cannot be read ({type(e).__name__}: {e}): {PREPARE} "
-                                 "again") from None
+        with open(file) as f:
+            meta = json.load(f)
+        missing = [key for key in ("dtype", "vocab_size", "train_tokens", "validation_tokens", "seed")
+                   if key not in meta]
+    except (OSError, ValueError, TypeError) as e:
+        raise errors.ConfigError(f"{file!r} cannot be read ({type(e).__name__}: {e}): {PREPARE} again") from None
+    if missing:
+        raise errors.ConfigError(f"{file!r} has no {', '.join(missing)}: the directory is damaged; {PREPARE} again")
+    wrong = [] if meta["dtype"] in TOKEN_DTYPES else [f"dtype {meta['dtype']!r} is not uint16 or uint32"]
+    top = min(TOKEN_DTYPES.get(meta["dtype"], MAX_VOCAB), MAX_VOCAB)
+    vocab = meta["vocab_size"]
+    if not errors.is_whole(vocab) or not 2 <= vocab <= top:
+        wrong.append(f"vocab_size {vocab!r} is not a whole number in 2 .. {top:,}")
+    wrong += [f"{key} {meta[key]!r} is not a whole number >= 0" for key in ("train_tokens", "validation_tokens", "seed")
+              if not errors.is_whole(meta[key]) or not 0 <= meta[key] < 1 << 63]
+    if wrong:
+        raise errors.ConfigError(f"{file!r}: {'; '.join(wrong)}: the directory is damaged; {PREPARE} again")
     return meta
 
 

@@ -128,12 +128,55 @@ def test_ctrl_c_mid_run_is_one_line_and_closes_the_checkpoints_after_their_save(
     # cuDNN where it cannot run: on this CPU run, the platform; on a GPU, float32 layers
     (["--mesh", "dp=2", "--attention-kernel", "cudnn"], "--attention-kernel 'cudnn' cannot run here"),
     # the Pallas kernel's tiles: head_dim 16/4 = 4 is under its 16, on every platform
-    (["--mesh", "dp=2", "--attention-kernel", "pallas"], "--attention-kernel 'pallas' cannot run here: head_dim=4"),
+    (["--mesh", "dp=2", "--attention-kernel", "pallas"],
+     "--attention-kernel 'pallas' cannot run here: head_dim (--d-model / --heads) 4"),
 ])
 def test_bad_input_is_one_line(capsys, argv, piece):
     code, out, err = run(capsys, "train", "--steps", "2", *argv, *SMALL[:-1], "--layers", "4", "--batch", "4")
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("jaxpar train: error:") and piece in err, err
+
+
+@pytest.mark.parametrize("argv,piece", [
+    # refused, not rewritten: top_k was clamped to the experts, warmup to the steps, and each
+    # head max(2, d_model // heads) wide whatever d_model was
+    (["--experts", "4", "--top-k", "9"], "--top-k 9 with --experts 4: each token picks top_k distinct experts. "
+                                         "Fix: --top-k 2, or --experts 9 or more"),
+    (["--warmup", "1000"], "--warmup 1000 is longer than --steps 2"),
+    (["--d-model", "65"], "--d-model 65 over --heads 4: each head takes an equal share"),
+    (["--d-model", "24", "--heads", "8"], "Fix: a multiple of 2 x 8, e.g. --d-model 32"),
+    (["--d-model", "4", "--heads", "8"], "--d-model 4 over --heads 8"),
+    (["--heads", "0"], "--heads 0: need at least 1"),
+    (["--d-model", "0"], "--d-model 0: need at least 1"),
+    # values past float32's range would train to NaN
+    (["--lr", "1e300"], "--lr 1e+300 is not finite in float32"),
+    (["--experts", "4", "--aux-loss", "1e300"], "--aux-loss 1e+300 is not finite in float32"),
+    (["--experts", "4", "--router", "sigmoid", "--bias-rate", "1e39"], "--bias-rate 1e+39 is not finite in float32"),
+    # --out is checked before training, as --checkpoint and --log are (no missing tree made)
+    (["--out", "/no-such-jaxpar-dir/a/b"], "--out '/no-such-jaxpar-dir/a/b': its folder '/no-such-jaxpar-dir/a' does "
+                                           "not exist"),
+    (["--out", "/dev/null"], "--out '/dev/null' is a file, not a directory"),
+    (["--out", ""], "--out '': give the path of a directory"),
+    # a stage split's example as the flag takes it
+    (["--mesh", "pp=2", "--layers-per-stage", "1,2,3"], "e.g. --layers-per-stage 3,3 "),
+    (["--mesh", "ep=2"], "Fix: --mesh ep 1, or --experts 2 or more"),
+])
+def test_model_flags_are_refused_as_given_in_one_line(capsys, argv, piece):
+    code, out, err = run(capsys, "train", "--mesh", "dp=2", "--steps", "2", *SMALL, *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("jaxpar train: error:") and piece in err, err
+    assert not os.path.exists("/no-such-jaxpar-dir")
+
+
+def test_a_run_whose_loss_is_not_finite_stops_there_in_one_line(capsys, tmp_path):
+    """A learning rate float32 holds but training cannot (1e30): the weights go to NaN, and
+    the run stops at the first non-finite loss with exit 1, naming the step and --lr."""
+    code, out, err = run(capsys, "train", "--mesh", "dp=2", "--steps", "6", "--lr", "1e30", "--out", str(tmp_path),
+                         *SMALL)
+    assert code == 1 and out == "", (code, out, err)
+    assert err.count("\n") == 1 and err.startswith("jaxpar train: error: step ") and "the loss is nan" in err, err
+    assert err.rstrip().endswith("give a lower learning rate, e.g. --lr 0.003 (now --lr 1e+30)"), err
+    assert not (tmp_path / "loss.png").exists()
 
 
 @pytest.mark.parametrize("argv,piece", [
@@ -219,7 +262,7 @@ def test_uneven_stages_from_the_command_line(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv,piece", [
     (["--mesh", "pp=2", "--layers-per-stage", "1,x"], "--layers-per-stage '1,x': give whole layer counts"),
-    (["--mesh", "pp=2", "--layers-per-stage", "1,2"], "--layers-per-stage (1, 2) sums to 3, the model has 4 layers"),
+    (["--mesh", "pp=2", "--layers-per-stage", "1,2"], "--layers-per-stage 1,2 sums to 3, the model has 4 layers"),
     (["--mesh", "pp=2", "--layers-per-stage", "1,1,2"], "has 3 entries for 2 model stages"),
     (["--mesh", "dp=2", "--layers-per-stage", "1,3"], "with --mesh pp 1: one device runs every layer"),
 ])

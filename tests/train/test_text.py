@@ -5,6 +5,7 @@ validation batches from the validation split only, and every refused input."""
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pydoc_data.topics
@@ -236,7 +237,22 @@ def _damaged(directory, tmp):
     return tmp
 
 
+def _meta(directory, tmp, **changes):
+    """A copy of the data directory with meta.json's fields changed."""
+    for name in os.listdir(directory):
+        (tmp / name).write_bytes((directory / name).read_bytes())
+    meta = json.loads((directory / "meta.json").read_text())
+    (tmp / "meta.json").write_text(json.dumps({**meta, **changes}))
+    return tmp
+
+
 BAD_DATA = {
+    # meta.json naming another dtype of the same size read the uint16 tokens as float16 (all 0)
+    **{f"meta {key} {value!r}": (lambda d, tmp, key=key, value=value: TokenData(_meta(d, tmp, **{key: value})),
+                                 rf"meta.json': {key} {re.escape(repr(value))} is not .* the directory is damaged")
+       for key, value in (("dtype", "float16"), ("dtype", "int64"), ("vocab_size", 0), ("vocab_size", 1),
+                          ("vocab_size", 10**12), ("vocab_size", 70000), ("vocab_size", 2.5), ("seed", -1),
+                          ("seed", 1.5), ("train_tokens", "9"))},
     "missing directory": (lambda d, tmp: TokenData(tmp / "nope"), r"does not exist or is not a directory: run "
                                                                   r"`jaxpar data prepare"),
     "directory without tokens": (lambda d, tmp: TokenData(tmp), r"a data directory without tokens \(no meta.json, "

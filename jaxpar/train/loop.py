@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from jaxpar import errors, reference
 from jaxpar.errors import ConfigError
-from jaxpar.train import throughput
+from jaxpar.train import budget, throughput
 from jaxpar.train.checkpoint import SCHEDULE, Checkpoints
 from jaxpar.train.data import Corpus
 from jaxpar.train.step import Trainer, TrainState
@@ -372,6 +372,8 @@ def _resume_or_init(trainer: Trainer, state: TrainState | None, checkpoints: Che
     differs); else a fresh state."""
     if step is not None and (checkpoints is None or state is not None):
         raise ConfigError(f"resume={step}: resuming needs checkpoints and no state given")
+    if state is None:
+        budget.check(trainer)       # a step that cannot fit is refused before a weight is allocated
     if state is None and checkpoints is not None and (step is not None or checkpoints.latest() is not None):
         state = checkpoints.restore(trainer, step, data=data)
         history.resumed_from = int(jax.device_get(state.step))

@@ -118,3 +118,23 @@ def test_refusals(trainer):
             return np.full((batch_size, seq_len + 1), CFG.vocab, np.int32)
     with pytest.raises(ConfigError, match=rf"token ids in \[{CFG.vocab}, {CFG.vocab}\]"):
         fit(trainer, steps=1, corpus=TooLarge(), progress=False)
+
+
+def test_a_step_that_cannot_fit_is_refused_before_a_weight_exists(trainer, monkeypatch):
+    """budget.check compares the compiled step's memory (arguments + outputs + temporaries -
+    donated) with what a device has, before init: here a device of half what the step needs."""
+    from jaxpar.comms import human_bytes
+    from jaxpar.train import budget
+
+    m = trainer.compiled.memory_analysis()
+    need = budget.step_bytes(trainer.compiled)
+    assert need == m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    assert 0 < need and budget.device_bytes(jax.devices()[0]) > need      # a CPU device: its share of the host
+
+    def no_init(*a, **k):
+        raise AssertionError("init ran")
+    monkeypatch.setattr(budget, "device_bytes", lambda device: need // 2)
+    monkeypatch.setattr(trainer, "init", no_init)
+    with pytest.raises(ConfigError, match=rf"the step needs {human_bytes(need)} per device .* more than the "
+                                          rf"{human_bytes(need // 2)} a cpu device has here; fix: a smaller model"):
+        fit(trainer, steps=1, progress=False)

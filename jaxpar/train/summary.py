@@ -55,12 +55,12 @@ def _weights(trainer, *, leave_out: tuple[str, ...] = ()) -> list:
 
 
 def _constant_gradients(trainer, *, zero_sharded: bool = False) -> tuple[str, ...]:
-    """The blocks' weights with a constant zero gradient at pp = 1 (in a pipeline it passes the loop's buffers,
-    reduced as any weight's): the router bias (it only chooses) and a router that does not learn (`expert.
-    formulas.router_learns`). XLA folds its all-reduce and norm scalar (not the bias' under ZeRO-3: its zero leaves
-    `data.zero.gathered`'s custom backward); of one ZeRO splits over dp (zero_sharded=True), its reduce-scatter."""
-    spec = trainer.spec
-    zero = {"router_bias": spec.zero != 3, "router": not ep_formulas.router_learns(trainer.cfg)}
+    """The blocks' weights with a zero gradient at pp = 1 (in a pipeline it passes the loop's buffers): the router
+    bias (it only chooses), a router that does not learn (`expert.formulas.router_learns`). XLA folds its all-reduce
+    and norm scalar (not the bias' where ZeRO-3 gathers the block: its zero leaves `data.zero.gathered`'s custom
+    backward); of one ZeRO splits over dp (zero_sharded), its reduce-scatter."""
+    spec, gathers = trainer.spec, any(d >= 0 for d in trainer.layers.zero_dims["blocks"].values())
+    zero = {"router_bias": not gathers, "router": not ep_formulas.router_learns(trainer.cfg)}
     names = [n for n in zero if zero[n] and n in trainer.shapes["blocks"]] if spec.pp == 1 else []
     split = lambda n: spec.zero > 0 and spec.dp > 1 and trainer.zero_dims["blocks"][n] >= 0
     return tuple(n for n in names if split(n) == zero_sharded)

@@ -47,7 +47,8 @@ def device_bytes(device) -> int | None:
 def check(trainer) -> None:
     """ConfigError if the trainer's compiled step needs more memory than one of its devices
     has (`step_bytes` against `device_bytes`), naming both and what would shrink it."""
-    limit = device_bytes(trainer.mesh.devices.flat[0])
+    device = next(d for d in trainer.mesh.devices.flat if d.process_index == jax.process_index())   # one of ours
+    limit = device_bytes(device)
     if limit is None:
         return
     need = step_bytes(trainer.compiled)
@@ -55,5 +56,5 @@ def check(trainer) -> None:
         raise ConfigError(
             f"the step needs {human_bytes(need)} per device (XLA's memory analysis of the compiled step: weights, "
             f"optimizer state, batch and temporaries), more than the {human_bytes(limit)} a "
-            f"{trainer.mesh.devices.flat[0].platform} device has here; fix: a smaller model or batch, more pp or tp "
+            f"{device.platform} device has here; fix: a smaller model or batch, more pp or tp "
             "devices, zero=3, or recompute")

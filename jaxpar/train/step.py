@@ -261,8 +261,9 @@ class Trainer:
         if compute_dtype is not None:      # the cast's transpose: reductions and AdamW in dtype
             g_blocks, g_first, g_last = reference.cast((g_blocks, g_first, g_last), self.dtype)
         load = None
+        if "router_bias" in g_blocks:     # it only chooses: its gradient is zero, and reduced as one, XLA drops it
+            g_blocks = {**g_blocks, "router_bias": jnp.zeros_like(g_blocks["router_bias"])}
         if balancing:
-            g_blocks = dict(g_blocks)
             stats_axes = batch_axes + ((TP,) if tp > 1 else ())
             load, aux = balance.totals(g_blocks.pop(balance.STATS), stats_axes)   # [chunks, Lc, E], [chunks, Lc]
             # this pp rank's layers' balance loss, folded into the loss's own sum over the

@@ -55,13 +55,12 @@ def _weights(trainer, *, leave_out: tuple[str, ...] = ()) -> list:
 
 
 def _constant_gradients(trainer, *, zero_sharded: bool = False) -> tuple[str, ...]:
-    """The blocks' weights with a zero gradient at pp = 1 (in a pipeline it passes the loop's buffers): the router
-    bias (it only chooses), a router that does not learn (`expert.formulas.router_learns`). XLA folds its all-reduce
-    and norm scalar (not the bias' where ZeRO-3 gathers the block: its zero leaves `data.zero.gathered`'s custom
-    backward); of one ZeRO splits over dp (zero_sharded), its reduce-scatter."""
-    spec, gathers = trainer.spec, any(d >= 0 for d in trainer.layers.zero_dims["blocks"].values())
-    zero = {"router_bias": not gathers, "router": not ep_formulas.router_learns(trainer.cfg)}
-    names = [n for n in zero if zero[n] and n in trainer.shapes["blocks"]] if spec.pp == 1 else []
+    """The blocks' weights whose zero gradient's all-reduce (of one ZeRO splits over dp, zero_sharded: reduce-scatter)
+    XLA folds: the router bias (it only chooses; the step zeroes its gradient) and, at pp = 1, a router that does not
+    learn (`expert.formulas.router_learns`; in a pipeline its zero passes the loop's buffers, reduced as any)."""
+    spec = trainer.spec
+    zero = {"router_bias": True, "router": spec.pp == 1 and not ep_formulas.router_learns(trainer.cfg)}
+    names = [n for n in zero if zero[n] and n in trainer.shapes["blocks"]]
     split = lambda n: spec.zero > 0 and spec.dp > 1 and trainer.zero_dims["blocks"][n] >= 0
     return tuple(n for n in names if split(n) == zero_sharded)
 
@@ -75,16 +74,17 @@ def expected_reductions(trainer) -> dict[int, float]:
     load balancing's statistics."""
     spec, sizes = trainer.spec, trainer.mesh.shape
     batch_axes, pp = trainer.local.request.batch_axes, ((PP,) if spec.pp > 1 else ())
-    found = _weights(trainer, leave_out=_constant_gradients(trainer))
-    out = data_formulas.reduction_bytes(found, sizes=sizes, batch_axes=batch_axes)
+    constant = _constant_gradients(trainer)
+    out = data_formulas.reduction_bytes(_weights(trainer, leave_out=constant), sizes=sizes, batch_axes=batch_axes)
 
     def add(axes, nbytes):
         n = data_formulas.group_size(axes, sizes)
         if n > 1:
             out[n] = out.get(n, 0.0) + nbytes
 
-    for w in found:
-        add(w.split + ((DP,) if w.zero else ()), w.itemsize)      # the norm: one scalar per weight
+    # the norm: one scalar per weight (the router bias' too: its zero square still sums over pp)
+    for w in _weights(trainer, leave_out=tuple(n for n in constant if n != "router_bias")):
+        add(w.split + ((DP,) if w.zero else ()), w.itemsize)
     add(batch_axes + pp, jnp.dtype(trainer.dtype).itemsize)       # the loss
     cfg = trainer.cfg
     if cfg.n_experts:   # load balancing's statistics of this device's layers, once a step: every

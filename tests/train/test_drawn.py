@@ -49,9 +49,10 @@ NAMED = {
     "dp2 pp4, uneven stages 1/2/2/1, ZeRO-1, one KV head": Drawn(
         reference.ModelConfig(n_layers=6, **{**_MODEL, "n_kv_heads": 1}),
         ParallelSpec(dp=2, pp=4, microbatches=4, zero=1, layers_per_stage=(1, 2, 2, 1)), 8, 8),
-    # a draw whose collectives were off by the router bias' gradient all-reduce (ZeRO-3 at pp=1)
+    # draws whose collectives were off by the router bias' zero gradient, all-reduced or folded by XLA as the
+    # layer count and ZeRO-3's gather had it (at 2 layers reduced, at 1 folded): the step now zeroes it
     "dp4, ZeRO-3, 5 microbatches, MoE with DeepSeek-V3's router bias": Drawn(
-        reference.ModelConfig(vocab=7, d_model=24, n_heads=2, n_kv_heads=2, head_dim=4, d_ff=8, n_layers=2,
+        reference.ModelConfig(vocab=7, d_model=24, n_heads=2, n_kv_heads=2, head_dim=4, d_ff=8, n_layers=1,
                               mlp="gelu", n_experts=5, top_k=3, causal=False, router="sigmoid", bias_rate=0.01),
         ParallelSpec(dp=4, schedule="zb-h2", microbatches=5, zero=3, layout="zigzag"), 20, 2),
 }

@@ -29,11 +29,13 @@ from jaxpar import errors
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Corpus:
     vocab: int
-    branching: int = 3
+    branching: int | None = None     # None: 3, or every token of a smaller vocabulary
     seed: int = 0
 
     def __post_init__(self):
         errors.whole("vocab", self.vocab, minimum=2, maximum=1 << 24)
+        if self.branching is None:
+            object.__setattr__(self, "branching", min(3, self.vocab))
         errors.whole("branching", self.branching, maximum=self.vocab,
                      fix=f"branching is the successors per token, 1..vocab={self.vocab}")
         errors.whole("seed", self.seed, minimum=0, maximum=(1 << 63) - 1)

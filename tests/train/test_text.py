@@ -148,6 +148,14 @@ def test_the_corpus_whole_batch_is_its_row_blocks_joined():
     np.testing.assert_array_equal(whole, np.concatenate(blocks))
 
 
+def test_the_default_corpus_takes_any_vocabulary_a_model_has():
+    """Three successors per token, or every token of a vocabulary of two: fit's default data
+    for a vocab=2 model (it refused "branching=3 is more than 2")."""
+    assert Corpus(vocab=64).branching == 3 and Corpus(vocab=2).branching == 2
+    tokens = Corpus(vocab=2).batch(0, batch_size=4, seq_len=8)
+    assert tokens.shape == (4, 9) and set(np.unique(tokens)) <= {0, 1}
+
+
 def test_corpus_validation_batches_are_held_out_and_follow_the_chain():
     corpus = Corpus(vocab=32, seed=1)
     held_out = corpus.validation_batch(5, batch_size=16, seq_len=8)

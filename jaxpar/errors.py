@@ -19,6 +19,8 @@ import numbers
 import os
 from collections.abc import Iterable, Mapping
 
+import numpy as np
+
 
 class ConfigError(ValueError):
     """An input jaxpar refuses, found before any compute. The message says what value was
@@ -115,6 +117,20 @@ def array(name: str, x, *, ndim: int | None = None, kinds: str = "", shape_doc: 
         raise ConfigError(f"{name} has shape {shape}, with an empty axis: {want} needs at least one "
                           "element along every axis (an empty batch has no loss to compute)")
     return shape
+
+
+def ids_below(name: str, ids, bound: int, *, of: str, fix: str) -> None:
+    """Refuse integer `ids` outside [0, bound) (`of`: what the bound counts, "vocab=32"),
+    when they are concrete: under jit (a tracer, which numpy cannot read) only their shape
+    and dtype are known, and an id out of range reaches a gather that clamps or wraps it
+    (a NaN loss, or a plausible wrong number)."""
+    try:
+        values = np.asarray(ids)
+    except TypeError:       # a tracer: jax.errors.TracerArrayConversionError
+        return
+    lo, hi = int(values.min()), int(values.max())
+    if lo < 0 or hi >= bound:
+        raise ConfigError(f"{name} holds ids from {lo} to {hi}, outside [0, {of}): {fix}")
 
 
 def _kind(dtype) -> str:

@@ -41,7 +41,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxpar import errors
 from jaxpar.errors import ConfigError
@@ -125,12 +124,8 @@ def check_grouped_inputs(p: dict, x, experts, weights, *, mlp: str, kernel: str)
     if errors.array("weights", weights, ndim=2, kinds="f", shape_doc="weights[tokens, top_k]") != shape:
         raise ConfigError(f"weights has shape {tuple(weights.shape)}, experts {shape}: one gate per chosen "
                           "expert. Fix: pass the weights and experts of one router.route")
-    if not isinstance(experts, jax.core.Tracer):
-        ids = np.asarray(experts)
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= E:
-            raise ConfigError(f"experts holds ids from {lo} to {hi}, outside [0, n_experts={E}): each names one "
-                              "of the experts w_up holds. Fix: route with a router of E columns")
+    errors.ids_below("experts", experts, E, of=f"n_experts={E}",
+                     fix="each names one of the experts w_up holds. Fix: route with a router of E columns")
     return E
 
 

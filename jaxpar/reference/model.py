@@ -9,7 +9,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxpar import errors
 from jaxpar.errors import ConfigError
@@ -108,16 +107,10 @@ def check_tokens(tokens, vocab: int, shape_doc: str) -> tuple[int, int]:
     """The shape of `tokens` if it is an int[B, T] array whose ids, when it is concrete (not
     a jax.core.Tracer: under jit only its shape and dtype are known), all lie in
     [0, vocab): out of range, the embedding's gather clamps or wraps them and the loss is
-    NaN or a plausible wrong number. The rule of tensor.vocab and Trainer.put, written
-    here again: the reference shares no code with what it checks."""
+    NaN or a plausible wrong number (`errors.ids_below`, the input checks all share)."""
     shape = errors.array("tokens", tokens, ndim=2, kinds="iu", shape_doc=shape_doc)
-    if not isinstance(tokens, jax.core.Tracer):
-        values = np.asarray(tokens)
-        lo, hi = int(values.min()), int(values.max())
-        if lo < 0 or hi >= vocab:
-            raise ConfigError(f"tokens holds ids from {lo} to {hi}, outside [0, vocab={vocab}): every id must "
-                              "name a row of the vocabulary. Fix: map them into range, or grow the vocabulary "
-                              "(ModelConfig(vocab=...))")
+    errors.ids_below("tokens", tokens, vocab, of=f"vocab={vocab}", fix="every id must name a row of the "
+                     "vocabulary. Fix: map them into range, or grow the vocabulary (ModelConfig(vocab=...))")
     return shape
 
 

@@ -41,7 +41,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -156,12 +155,8 @@ def _ids(name: str, ids, vocab: int, shape: tuple[int, ...] | None = None) -> No
     if shape is not None and got != shape:
         raise ConfigError(f"{name} has shape {got}, the logits give [B, T] = {list(shape)}: one target per "
                           "position. Fix: pass the targets of these logits")
-    if not isinstance(ids, jax.core.Tracer):
-        values = np.asarray(ids)
-        lo, hi = int(values.min()), int(values.max())
-        if lo < 0 or hi >= vocab:
-            raise ConfigError(f"{name} holds ids from {lo} to {hi}, outside [0, vocab={vocab}): every id must "
-                              "name a row of the vocabulary. Fix: map them into range, or grow the vocabulary")
+    errors.ids_below(name, ids, vocab, of=f"vocab={vocab}", fix="every id must name a row of the vocabulary. "
+                     "Fix: map them into range, or grow the vocabulary")
 
 
 def vocab_parallel_embedding(embed, tokens, *, mesh: Mesh):

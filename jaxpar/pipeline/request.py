@@ -324,15 +324,23 @@ def _probe(fn, *args):
         return None
 
 
-def _loss_dtype(local: dict, stage_fn, loss_fn, first_fn, *, has_last: bool):
-    """Refuse a stage that changes the activation and a loss that is not a floating
-    scalar; return the loss dtype."""
-    x = local["inputs"] if first_fn is None else _probe(first_fn, local["first"], local["inputs"])
-    y = _probe(stage_fn, local["stage"], x) if x is not None else None
+def _keeps_activation(name: str, y, x) -> None:
     if y is not None and (not isinstance(y, jax.ShapeDtypeStruct) or (y.shape, y.dtype) != (x.shape, x.dtype)):
         got = f"{y.shape} {y.dtype}" if isinstance(y, jax.ShapeDtypeStruct) else type(y).__name__
-        raise ConfigError(f"stage_fn maps a microbatch {x.shape} {x.dtype} to {got}: a "
-                          f"pipeline stage must keep the activation's shape and dtype")
+        raise ConfigError(f"{name} maps a microbatch {x.shape} {x.dtype} to {got}: a pipeline stage (and each "
+                          "of its layers) must keep the activation's shape and dtype")
+
+
+def _loss_dtype(local: dict, stage_fn, loss_fn, first_fn, *, has_last: bool):
+    """Refuse a stage that changes the activation (of a `layers` stage, first one layer: a
+    layer that changes it breaks the next layer, in whatever operation meets the new shape)
+    and a loss that is not a floating scalar; return the loss dtype."""
+    x = local["inputs"] if first_fn is None else _probe(first_fn, local["first"], local["inputs"])
+    if isinstance(stage_fn, layers) and x is not None:
+        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), local["stage"])
+        _keeps_activation("stage_fn's layer_fn", _probe(stage_fn.layer_fn, one, x), x)
+    y = _probe(stage_fn, local["stage"], x) if x is not None else None
+    _keeps_activation("stage_fn", y, x)
     if y is None:
         return jnp.result_type(float)
     loss = _probe(loss_fn, *((local["last"],) if has_last else ()), y, local["targets"])

@@ -63,42 +63,7 @@ from jaxpar.pipeline.stage import (Grads, from_microbatches, from_stages, layers
 __all__ = ["Grads", "Local", "Pipeline", "Request", "from_stages", "layers", "local", "mse", "pipeline", "request",
            "run", "run_pipeline", "to_stages"]
 
-def request(schedule: Schedule, stage_fn: Callable, params, batch, *, mesh, **options) -> Request:
-    """The checked Request of `run`'s arguments (`request_lib.from_keywords`; ConfigError
-    before compiling). A `layers(layer_fn)` stage whose layer changes the activation's
-    shape or dtype breaks in its next layer, in whatever operation meets the new shape (a
-    TypeError from dot_general); that failure is refused as the ConfigError it is,
-    naming the layer's output against its input (`_layer_changes_activation`)."""
-    try:
-        return request_lib.from_keywords(schedule, stage_fn, params, batch, mesh=mesh, **options)
-    except (TypeError, ValueError) as failure:
-        if isinstance(failure, ConfigError) or not isinstance(stage_fn, layers):
-            raise
-        message = _layer_changes_activation(schedule, stage_fn, params, batch, mesh=mesh, **options)
-        if message is None:
-            raise
-        raise ConfigError(message) from failure
-
-
-def _layer_changes_activation(schedule: Schedule, stage_fn: layers, params, batch, *, mesh, **options) -> str | None:
-    """Why stage_fn cannot be a pipeline stage, if one of its layers maps a microbatch's
-    activation to another shape or dtype (jax.eval_shape of one layer on the per-device
-    shapes of a request with an identity stage); None where it keeps it, or where the
-    probe cannot tell (per-shard code whose collectives need the shard_map)."""
-    try:
-        req = request_lib.from_keywords(schedule, layers(lambda p, x: x), params, batch, mesh=mesh, **options)
-        x = req.local["inputs"]
-        if req.first_fn is not None:
-            x = jax.eval_shape(req.first_fn, req.local["first"], x)
-        one_layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), req.local["stage"])
-        y = jax.eval_shape(stage_fn.layer_fn, one_layer, x)
-    except Exception:  # noqa: BLE001 - the probe cannot tell; the original error stands
-        return None
-    if isinstance(y, jax.ShapeDtypeStruct) and (y.shape, y.dtype) == (x.shape, x.dtype):
-        return None
-    got = f"{y.shape} {y.dtype}" if isinstance(y, jax.ShapeDtypeStruct) else type(y).__name__
-    return (f"stage_fn's layer_fn maps a microbatch {x.shape} {x.dtype} to {got}: each layer of a pipeline stage "
-            "feeds the next (and the stage the next stage), so it must keep the activation's shape and dtype")
+request = request_lib.from_keywords   # runtime.request(schedule, stage_fn, params, batch, mesh=m, ...) -> Request
 
 
 class Pipeline(NamedTuple):
